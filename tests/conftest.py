@@ -1,0 +1,76 @@
+"""Shared test fixtures: a tiny random causal LM and a character-level tokenizer, built locally (no network)."""
+import os
+import string
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SPECIALS = ["<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|unk|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _bytes_to_unicode():
+    """GPT-2's byte -> printable unicode map used by byte-level BPE (bytes, chars)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return bs, [chr(c) for c in cs]
+
+
+def make_tokenizer():
+    """A character-level byte-level-BPE tokenizer with a chat template: every printable ASCII char is one
+    token. Byte-level (space -> 'Ġ') because transformers reloads a Qwen2 model's tokenizer as byte-level BPE."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    byte_char = {b: c for b, c in zip(*_bytes_to_unicode())}
+    chars = sorted({byte_char[ord(c)] for c in string.printable if c not in "\x0b\x0c\r"})
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|eos|>",
+                                   unk_token="<|unk|>", additional_special_tokens=SPECIALS[2:4])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model_dir(path, seed=0, layers=2, hidden=64):
+    """save_pretrained dir of a random 2-layer Qwen2 with the tokenizer above; loadable by pacs.load_model."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tokenizer = make_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, tie_word_embeddings=False,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_problems_file(tmp_path_factory):
+    """A small local JSONL dataset with the default columns."""
+    import json
+    path = tmp_path_factory.mktemp("data") / "tiny.jsonl"
+    rows = [{"id": f"t{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
