@@ -151,7 +151,8 @@ def pacs_score(logprobs, old_logprobs, mask, group_size, beta=1.0, estimator="rl
 def class_balance_weights(rewards, group_size):
     """w (B,): in a group with k correct (0 < k < G), G/(2k) on correct and G/(2(G-k)) on wrong rows;
     single-class groups get 1. This is sklearn's compute_class_weight('balanced') per group."""
-    R = rewards.view(-1, group_size).float()  # (B/G, G)
+    R = rewards.view(-1, group_size)  # (B/G, G)
+    R = R if R.is_floating_point() else R.to(torch.get_default_dtype())  # float64 stays float64
     G = group_size
     k = R.sum(-1, keepdim=True)  # correct per group
     w_pos = G / (2 * k.clamp(min=1))
