@@ -239,10 +239,13 @@ def _read_local(path):
         return list(datasets.load_dataset("parquet", data_files=path, split="train"))
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    try:
-        data = json.loads(text)  # a .json file holding a list (or {"data": [...]})
+    if path.endswith(".json"):  # a list of objects, or {"data": [...]}
+        try:
+            data = json.loads(text) if text.strip() else []
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
         rows = data.get("data", data) if isinstance(data, dict) else data
-    except json.JSONDecodeError:
+    else:  # JSON lines
         rows = []
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
@@ -382,6 +385,14 @@ def eos_token_ids(model, tokenizer):
     return sorted(i for i in ids if i is not None)
 
 
+def response_mask(response_ids, eos_ids):
+    """mask (N, T): 1 up to and including the first EOS, 0 after it; truncated (N,): no EOS at all."""
+    is_eos = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device))  # (N, T)
+    # a token is kept when no EOS came strictly before it: (EOS hits so far) - (this one is EOS) == 0
+    mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+    return mask.long(), ~is_eos.any(1)
+
+
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, temperature=1.0, top_p=1.0,
            greedy=False, batch_prompts=32, progress=False):
@@ -407,13 +418,10 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
                         add_special_tokens=False).to(model.device)
         out = model.generate(**enc, generation_config=gen_cfg)  # (n*G, Lp+T)
         resp = out[:, enc["input_ids"].shape[1]:]  # (n*G, T)
-        is_eos = torch.isin(resp, torch.tensor(eos, device=resp.device))
-        # keep tokens up to and including the first EOS: cumsum of EOS hits counts how many came before
-        resp_mask = (is_eos.cumsum(1) - is_eos.long()) == 0  # (n*G, T)
-        resp = torch.where(resp_mask, resp, torch.full_like(resp, pad))
+        resp_mask, truncated = response_mask(resp, eos)
+        resp = torch.where(resp_mask.bool(), resp, torch.full_like(resp, pad))
         chunks.append((enc["input_ids"].repeat_interleave(group_size, 0),
-                       enc["attention_mask"].repeat_interleave(group_size, 0), resp, resp_mask.long(),
-                       ~is_eos.any(1)))
+                       enc["attention_mask"].repeat_interleave(group_size, 0), resp, resp_mask, truncated))
     model.train(was_training)
     Lp, T = max(c[0].shape[1] for c in chunks), max(c[2].shape[1] for c in chunks)
     return {  # pad every chunk to common widths: prompts on the left, responses on the right

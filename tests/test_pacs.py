@@ -1,0 +1,234 @@
+"""End-to-end tests of pacs.py on a tiny random model (CPU, no network): training steps, checkpoints,
+resume, determinism, learning, data loading and the one-line errors."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pacs
+from conftest import make_tiny_model_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
+TIMING_KEYS = {"time_generate", "time_verify", "time_old_logprobs", "time_update", "step_time", "samples_per_s"}
+
+
+@pytest.fixture(scope="module")
+def digit_model(tmp_path_factory):
+    """A tiny model whose vocabulary is digits and a few symbols, so a 1-token answer is right ~1/18 of
+    the time at random: groups have mixed rewards from the first step."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("digit_model"), chars="0123456789 +?=")
+
+
+@pytest.fixture(scope="module")
+def const7_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("const7") / "const7.jsonl"
+    rows = [{"id": str(i), "problem": f"{i} + {7 - i} =", "answer": "7"} for i in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def run(model, dataset, out_dir, *extra):
+    argv = ["--model", model, "--dataset", dataset, "--out-dir", str(out_dir), "--group-size", "8",
+            "--prompts-per-step", "8", "--num-mini-batches", "2", "--micro-batch-groups", "2",
+            "--max-new-tokens", "1", "--lr", "1e-2", "--eval-every", "0", "--log-samples-every", "1", *extra]
+    pacs.main(argv)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def strip_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+def test_two_steps_change_every_parameter_and_write_metrics_and_checkpoint(digit_model, const7_file, tmp_path):
+    rows = run(digit_model, const7_file, tmp_path, "--steps", "2", "--weight-decay", "0")
+    assert [r["step"] for r in rows] == [0, 1]
+    for key in ("reward", "mixed_groups", "response_len", "truncated", "entropy", "loss", "psi_mean", "psi_std",
+                "sigma_psi", "grad_norm", "skipped", "step_time", "samples_per_s"):
+        assert key in rows[0] and rows[0][key] is not None, key
+    assert rows[0]["mixed_groups"] > 0  # otherwise the test would not exercise a gradient
+    ckpt = pacs.latest_checkpoint(str(tmp_path))
+    assert ckpt and ckpt.endswith("checkpoint-000001")
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"):
+        assert os.path.isfile(os.path.join(ckpt, name)), name
+    before, _ = pacs.load_model(digit_model)
+    after, _ = pacs.load_model(ckpt)  # the HF-format checkpoint loads like any model
+    after_params = dict(after.named_parameters())
+    unchanged = [n for n, p in before.named_parameters() if torch.equal(p, after_params[n])]
+    assert not unchanged, f"parameters not updated (weight decay is off, so only gradients move them): {unchanged}"
+    assert os.path.getsize(os.path.join(tmp_path, "samples.jsonl")) > 0
+
+
+def test_first_mini_batch_is_on_policy_psi_exactly_zero(digit_model, const7_file, tmp_path):
+    # one mini-batch per rollout: every update happens at pi_theta == pi_old, so psi == 0 bit for bit
+    rows = run(digit_model, const7_file, tmp_path, "--steps", "2", "--num-mini-batches", "1")
+    for r in rows:
+        assert r["psi_mean"] == 0.0 and r["psi_std"] == 0.0 and r["sigma_psi"] == 0.5
+        assert r["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # BCE at sigma = 1/2 is log 2
+
+
+def test_same_seed_same_metrics(digit_model, const7_file, tmp_path):
+    a = run(digit_model, const7_file, tmp_path / "a", "--steps", "3", "--seed", "3")
+    b = run(digit_model, const7_file, tmp_path / "b", "--steps", "3", "--seed", "3")
+    c = run(digit_model, const7_file, tmp_path / "c", "--steps", "3", "--seed", "4")
+    assert strip_timing(a) == strip_timing(b)
+    assert strip_timing(a) != strip_timing(c)
+
+
+def test_resume_reproduces_an_uninterrupted_run(digit_model, const7_file, tmp_path):
+    full = run(digit_model, const7_file, tmp_path / "full", "--steps", "4", "--save-every", "2")
+    part = tmp_path / "part"
+    run(digit_model, const7_file, part, "--steps", "2", "--save-every", "2")  # "killed" after step 1's checkpoint
+    # a kill can leave a logged-but-unsaved step and a half-written checkpoint: both must be ignored
+    with open(part / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 2, "reward": -1.0}) + "\n")
+    os.makedirs(part / "checkpoint-000002.tmp")
+    resumed = run(digit_model, const7_file, part, "--steps", "4", "--save-every", "2", "--resume")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert strip_timing(resumed) == strip_timing(full)
+
+
+def test_reward_rises_on_a_trivial_task(digit_model, const7_file, tmp_path):
+    rows = run(digit_model, const7_file, tmp_path, "--steps", "15", "--num-mini-batches", "1",
+               "--micro-batch-groups", "8", "--log-samples-every", "0", "--save-every", "0")
+    first, last = [r["reward"] for r in rows[:3]], [r["reward"] for r in rows[-3:]]
+    assert sum(first) / 3 < 0.3
+    assert sum(last) / 3 > 0.8, [r["reward"] for r in rows]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "reinforce"])
+def test_baselines_train_on_the_same_rollouts(digit_model, const7_file, tmp_path, algo):
+    rows = run(digit_model, const7_file, tmp_path, "--steps", "2", "--algo", algo)
+    assert len(rows) == 2 and rows[0]["psi_mean"] is None and rows[0]["grad_norm"] > 0
+
+
+def test_response_mask_keeps_the_first_eos_and_drops_the_rest():
+    eos = 1
+    ids = torch.tensor([[5, 6, 1, 7, 1],    # EOS at 2: keep 0..2
+                        [1, 5, 5, 5, 5],    # EOS first: keep only it
+                        [5, 6, 7, 8, 9]])   # no EOS: truncated, keep all
+    mask, truncated = pacs.response_mask(ids, [eos])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert truncated.tolist() == [False, False, True]
+    mask, _ = pacs.response_mask(torch.tensor([[5, 2, 1, 1]]), [1, 2])  # several EOS ids (chat models)
+    assert mask.tolist() == [[1, 1, 0, 0]]
+
+
+def test_sample_groups_rows_by_prompt_and_masks_after_eos(tiny_model_dir):
+    model, tok = pacs.load_model(tiny_model_dir)
+    prompts = [pacs.build_prompt(tok, "What is 1 + 1?"), pacs.build_prompt(tok, "A longer problem: what is 10 + 20?")]
+    torch.manual_seed(0)
+    roll = pacs.sample(model, tok, prompts, group_size=3, max_new_tokens=6, batch_prompts=1)
+    assert roll["prompt_ids"].shape[0] == roll["response_ids"].shape[0] == 6
+    for i in range(6):  # rows i*G..i*G+G-1 share their prompt
+        assert torch.equal(roll["prompt_ids"][i], roll["prompt_ids"][(i // 3) * 3])
+    assert roll["prompt_mask"][0, 0] == 0 and roll["prompt_mask"][-1, 0] == 1  # left padding
+    assert ((roll["response_ids"] == tok.pad_token_id) | roll["response_mask"].bool()).all()
+
+
+def test_response_logprobs_match_a_plain_forward(tiny_model_dir):
+    model, tok = pacs.load_model(tiny_model_dir)
+    torch.manual_seed(0)
+    roll = pacs.sample(model, tok, [pacs.build_prompt(tok, "What is 2 + 2?")], 2, max_new_tokens=5)
+    with torch.no_grad():
+        lp, ent = pacs.response_logprobs(model, roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"],
+                                         roll["response_mask"], temperature=0.7, with_entropy=True, chunk=2)
+        ids = torch.cat([roll["prompt_ids"], roll["response_ids"]], 1)
+        logits = model(ids).logits[:, roll["prompt_ids"].shape[1] - 1:-1].float() / 0.7
+        ref = logits.log_softmax(-1).gather(-1, roll["response_ids"].unsqueeze(-1)).squeeze(-1)
+        ref_ent = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    m = roll["response_mask"].bool()
+    torch.testing.assert_close(lp[m], ref[m], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent[m], ref_ent[m], atol=1e-4, rtol=1e-4)
+
+
+# ---- data ----------------------------------------------------------------------------------------
+def test_local_jsonl_and_column_overrides(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"q": "1+1?", "a": 2}) + "\n" + json.dumps({"q": "no answer", "a": ""}) + "\n")
+    rows = pacs.load_problems(str(path), problem_key="q", answer_key="a")
+    assert rows == [{"id": "0", "problem": "1+1?", "answer": "2"}]  # the empty-answer row is skipped
+
+
+def test_hub_gsm8k_answer_is_the_number_after_hashes(monkeypatch):
+    import datasets
+    fake = [{"question": "How many?", "answer": "3 + 4 = <<3+4=7>>7 apples... #### 1,234"}]
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: fake)
+    assert pacs.load_problems("gsm8k")[0]["answer"] == "1234"
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="offline data copies not present")
+def test_presets_read_offline_copies():
+    assert len(pacs.load_problems("gsm8k", "test", data_dir=SHARED_DATA)) == 1319
+    assert len(pacs.load_problems("math500", "test", data_dir=SHARED_DATA)) == 500
+    assert pacs.load_problems("aime24", "test", data_dir=SHARED_DATA)[0]["answer"]
+
+
+def test_synthetic_task_is_deterministic_and_correct():
+    rows = pacs.load_problems("synthetic")
+    assert rows == pacs.load_problems("synthetic") and len(rows) == 2000
+    a, b = rows[0]["problem"][len("What is "):-1].split(" + ")
+    assert int(a) + int(b) == int(rows[0]["answer"])
+    held_out = {r["problem"] for r in pacs.load_problems("synthetic", "test")}
+    assert held_out and len(held_out) < 200 + 1
+
+
+# ---- one-line errors -------------------------------------------------------------------------------
+def cli(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "pacs.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    err = proc.stderr.strip()
+    assert "Traceback" not in err, err
+    last = err.splitlines()[-1]
+    assert last.startswith("pacs.py: error:"), err
+    for needle in needles:
+        assert needle in last, (needle, last)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--group-size", "1"], ["--group-size", "at least 2"]),
+    (["--prompts-per-step", "6", "--num-mini-batches", "4"], ["6", "not divisible", "4"]),
+    (["--prompts-per-step", "8", "--num-mini-batches", "2", "--micro-batch-groups", "3"], ["not divisible", "3"]),
+    (["--algo", "ppo"], ["--algo", "ppo"]),
+    (["--dataset", "nosuchset"], ["unknown dataset", "nosuchset"]),
+    (["--dataset", "missing.jsonl"], ["not found", "missing.jsonl"]),
+])
+def test_bad_flags_give_one_line_errors(tiny_model_dir, args, needles):
+    assert_one_line_error(cli("--model", tiny_model_dir, "--dataset", "synthetic", "--steps", "1", *args), *needles)
+
+
+def test_bad_model_path_gives_one_line_error(tmp_path):
+    assert_one_line_error(cli("--model", str(tmp_path / "no_model"), "--dataset", "synthetic"), "model path not found")
+
+
+def test_missing_column_and_empty_dataset(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "1+1?", "solution": "2"}) + "\n")
+    assert_one_line_error(cli("--model", tiny_model_dir, "--dataset", str(bad)), "no column 'problem'", "question, solution")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert_one_line_error(cli("--model", tiny_model_dir, "--dataset", str(empty)), "empty")
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(json.dumps({"problem": "1+1?", "answer": " "}) + "\n")
+    assert_one_line_error(cli("--model", tiny_model_dir, "--dataset", str(blank)), "no row with a non-empty answer")
+
+
+def test_help_documents_every_flag():
+    out = cli("--help").stdout
+    for f in pacs.Config.__dataclass_fields__.values():
+        assert "--" + f.name.replace("_", "-") in out, f.name
+        assert f.metadata["help"].split()[0] in out
+
+
+def test_import_has_no_side_effects():
+    code = "import sys, pacs; print('transformers' in sys.modules, 'datasets' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.stdout.split() == ["False", "False"], out.stderr  # heavy imports happen only when used
