@@ -258,7 +258,7 @@ def _read_local(path):
     return rows
 
 
-def load_problems(name, split="train", data_dir="", problem_key="", answer_key="", seed=0):
+def load_problems(name, split="train", data_dir="", problem_key="", answer_key=""):
     """Rows {id, problem, answer} from a preset, a local file or the synthetic task. Rows with an empty
     answer are dropped and counted; a missing column or an empty result is a ConfigError."""
     if name == "synthetic":
@@ -385,7 +385,7 @@ def eos_token_ids(model, tokenizer):
     return sorted(i for i in ids if i is not None)
 
 
-def response_mask(response_ids, eos_ids):
+def first_eos_mask(response_ids, eos_ids):
     """mask (N, T): 1 up to and including the first EOS, 0 after it; truncated (N,): no EOS at all."""
     is_eos = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device))  # (N, T)
     # a token is kept when no EOS came strictly before it: (EOS hits so far) - (this one is EOS) == 0
@@ -418,7 +418,7 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
                         add_special_tokens=False).to(model.device)
         out = model.generate(**enc, generation_config=gen_cfg)  # (n*G, Lp+T)
         resp = out[:, enc["input_ids"].shape[1]:]  # (n*G, T)
-        resp_mask, truncated = response_mask(resp, eos)
+        resp_mask, truncated = first_eos_mask(resp, eos)
         resp = torch.where(resp_mask.bool(), resp, torch.full_like(resp, pad))
         chunks.append((enc["input_ids"].repeat_interleave(group_size, 0),
                        enc["attention_mask"].repeat_interleave(group_size, 0), resp, resp_mask, truncated))

@@ -25,13 +25,14 @@ def _bytes_to_unicode():
     return bs, [chr(c) for c in cs]
 
 
-def make_tokenizer():
+def make_tokenizer(chars=None):
     """A character-level byte-level-BPE tokenizer with a chat template: every printable ASCII char is one
     token. Byte-level (space -> 'Ġ') because transformers reloads a Qwen2 model's tokenizer as byte-level BPE."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     byte_char = {b: c for b, c in zip(*_bytes_to_unicode())}
-    chars = sorted({byte_char[ord(c)] for c in string.printable if c not in "\x0b\x0c\r"})
+    chars = string.printable if chars is None else chars
+    chars = sorted({byte_char[ord(c)] for c in chars if c not in "\x0b\x0c\r"})
     vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -42,11 +43,12 @@ def make_tokenizer():
     return fast
 
 
-def make_tiny_model_dir(path, seed=0, layers=2, hidden=64):
-    """save_pretrained dir of a random 2-layer Qwen2 with the tokenizer above; loadable by pacs.load_model."""
+def make_tiny_model_dir(path, seed=0, layers=2, hidden=64, chars=None):
+    """save_pretrained dir of a random 2-layer Qwen2 with the tokenizer above; loadable by pacs.load_model.
+    chars: restrict the vocabulary (characters outside it are dropped by the tokenizer)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    tokenizer = make_tokenizer()
+    tokenizer = make_tokenizer(chars)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=1024, tie_word_embeddings=False,

@@ -111,10 +111,10 @@ def test_response_mask_keeps_the_first_eos_and_drops_the_rest():
     ids = torch.tensor([[5, 6, 1, 7, 1],    # EOS at 2: keep 0..2
                         [1, 5, 5, 5, 5],    # EOS first: keep only it
                         [5, 6, 7, 8, 9]])   # no EOS: truncated, keep all
-    mask, truncated = pacs.response_mask(ids, [eos])
+    mask, truncated = pacs.first_eos_mask(ids, [eos])
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
     assert truncated.tolist() == [False, False, True]
-    mask, _ = pacs.response_mask(torch.tensor([[5, 2, 1, 1]]), [1, 2])  # several EOS ids (chat models)
+    mask, _ = pacs.first_eos_mask(torch.tensor([[5, 2, 1, 1]]), [1, 2])  # several EOS ids (chat models)
     assert mask.tolist() == [[1, 1, 0, 0]]
 
 
