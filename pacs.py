@@ -408,20 +408,29 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
     # A fresh GenerationConfig: the model's own defaults (top_k, repetition_penalty...) must not leak in.
     gen_cfg = GenerationConfig(do_sample=not greedy, temperature=temperature if not greedy else None,
                                top_p=top_p if not greedy else None, top_k=0 if not greedy else None,
-                               max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                               num_return_sequences=group_size)
+                               max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
     was_training = model.training
     model.eval()
     chunks = []
     for s in tqdm(range(0, len(prompts), batch_prompts), desc="generate", leave=False, disable=not progress):
         enc = tokenizer(prompts[s:s + batch_prompts], return_tensors="pt", padding=True,
                         add_special_tokens=False).to(model.device)
-        out = model.generate(**enc, generation_config=gen_cfg)  # (n*G, Lp+T)
-        resp = out[:, enc["input_ids"].shape[1]:]  # (n*G, T)
+        ids = enc["input_ids"].repeat_interleave(group_size, 0)  # (n*G, Lp)
+        attn = enc["attention_mask"].repeat_interleave(group_size, 0)
+        # Prefill each prompt once and share its KV cache by its G samples (generate's num_return_sequences
+        # would prefill every copy): generate then starts from the cache and runs only the last prompt token.
+        cache = None
+        if group_size > 1 and ids.shape[1] > 1:
+            p_ids, p_attn = enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1]
+            cache = model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(1) - 1).clamp(min=0),
+                          use_cache=True, logits_to_keep=1).past_key_values
+            cache.batch_repeat_interleave(group_size)
+        out = model.generate(input_ids=ids, attention_mask=attn, past_key_values=cache,
+                             generation_config=gen_cfg)  # (n*G, Lp+T)
+        resp = out[:, ids.shape[1]:]  # (n*G, T)
         resp_mask, truncated = first_eos_mask(resp, eos)
         resp = torch.where(resp_mask.bool(), resp, torch.full_like(resp, pad))
-        chunks.append((enc["input_ids"].repeat_interleave(group_size, 0),
-                       enc["attention_mask"].repeat_interleave(group_size, 0), resp, resp_mask, truncated))
+        chunks.append((ids, attn, resp, resp_mask, truncated))
     model.train(was_training)
     Lp, T = max(c[0].shape[1] for c in chunks), max(c[2].shape[1] for c in chunks)
     return {  # pad every chunk to common widths: prompts on the left, responses on the right
@@ -445,21 +454,41 @@ def _chunk_entropy(logits, temperature):  # (b, t, V) -> (b, t), a metric: never
 
 
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0,
-                      with_entropy=False, chunk=256):
+                      with_entropy=False, group_size=1, chunk=256):
     """Per-token log pi(response | prompt) (b, T) from temperature-scaled logits, and optionally the
-    per-token entropy (b, T). The fp32 log-softmax runs over `chunk` positions at a time and, when grad is
-    on, is recomputed in backward, so only the model's own logits are kept for all T positions."""
+    per-token entropy (b, T). With group_size G > 1, rows i*G..i*G+G-1 must share their prompt: it is run
+    once per group and its keys/values are shared by the G responses (see below). The fp32 log-softmax runs
+    over `chunk` positions at a time and, when grad is on, is recomputed in backward."""
     from torch.utils.checkpoint import checkpoint
     # trim columns that are padding in every row: less work, same numbers for the real tokens
     keep_p = prompt_mask.any(0).nonzero()
     keep_r = response_mask.any(0).nonzero()
-    lp0 = keep_p[0, 0] if len(keep_p) else prompt_mask.shape[1]
+    lp0 = int(keep_p[0, 0]) if len(keep_p) else prompt_mask.shape[1]
     T = int(keep_r[-1, 0]) + 1 if len(keep_r) else 1
-    ids = torch.cat([prompt_ids[:, lp0:], response_ids[:, :T]], 1)  # (b, Lp' + T)
-    attn = torch.cat([prompt_mask[:, lp0:], response_mask[:, :T]], 1)
+    prompt_ids, prompt_mask = prompt_ids[:, lp0:], prompt_mask[:, lp0:]  # (b, Lp)
+    attn = torch.cat([prompt_mask, response_mask[:, :T]], 1)  # (b, Lp + T)
     position_ids = (attn.cumsum(1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=T + 1).logits[:, :-1]  # (b, T, V): position t predicts response token t
+    if group_size == 1:
+        ids = torch.cat([prompt_ids, response_ids[:, :T]], 1)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False,
+                       logits_to_keep=T + 1).logits[:, :-1]  # (b, T, V): position t predicts response token t
+    else:
+        # Shared prompt: one forward over the b/G distinct prompts (with grad), its KV cache repeated G times
+        # for the responses. repeat_interleave is differentiable, so the prompt's activations receive the
+        # sum of its G responses' gradients: the same gradient as G full forwards, without computing the
+        # prompt G times (prompts are often longer than responses).
+        Lp = prompt_ids.shape[1]
+        out = model(input_ids=prompt_ids[::group_size], attention_mask=prompt_mask[::group_size],
+                    position_ids=position_ids[::group_size, :Lp], use_cache=True, logits_to_keep=1)
+        first = out.logits.repeat_interleave(group_size, 0)  # (b, 1, V): predicts response token 0
+        if T == 1:
+            logits = first
+        else:
+            cache = out.past_key_values
+            cache.batch_repeat_interleave(group_size)
+            rest = model(input_ids=response_ids[:, :T - 1], attention_mask=attn[:, :Lp + T - 1],
+                         position_ids=position_ids[:, Lp:Lp + T - 1], past_key_values=cache, use_cache=True).logits
+            logits = torch.cat([first, rest], 1)  # (b, T, V)
     targets = response_ids[:, :T]
     logprobs, entropy = [], []
     for s in range(0, T, chunk):
@@ -534,7 +563,7 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device):
     with torch.no_grad(), autocast:
         for sl in micro[per_mini:]:
             lp, ent = response_logprobs(model, roll["prompt_ids"][sl], roll["prompt_mask"][sl],
-                                        roll["response_ids"][sl], roll["response_mask"][sl], cfg.temperature, True)
+                                        roll["response_ids"][sl], roll["response_mask"][sl], cfg.temperature, True, G)
             old_logprobs[sl] = lp
             entropy_sum += (ent * mask[sl]).sum().item()
     t_old = time.time()
@@ -549,7 +578,7 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device):
             with autocast:
                 lp, ent = response_logprobs(model, roll["prompt_ids"][sl], roll["prompt_mask"][sl],
                                             roll["response_ids"][sl], roll["response_mask"][sl], cfg.temperature,
-                                            with_entropy=m == 0)
+                                            with_entropy=m == 0, group_size=G)
             if m == 0:
                 old_logprobs[sl] = lp.detach()
                 entropy_sum += (ent * mask[sl]).sum().item()

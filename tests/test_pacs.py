@@ -232,3 +232,31 @@ def test_import_has_no_side_effects():
     code = "import sys, pacs; print('transformers' in sys.modules, 'datasets' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr  # heavy imports happen only when used
+
+
+def test_shared_prompt_forward_matches_full_forwards(tiny_model_dir):
+    """group_size > 1 runs each prompt once and shares its KV cache: same log-probs and same gradient."""
+    model, tok = pacs.load_model(tiny_model_dir)
+    prompts = [pacs.build_prompt(tok, "What is 1 + 1?"), pacs.build_prompt(tok, "A longer one: what is 10 + 20 + 30?")]
+    torch.manual_seed(0)
+    roll = pacs.sample(model, tok, prompts, group_size=4, max_new_tokens=7)
+    roll["response_mask"][1, 3:] = 0  # an early EOS: padding after it must not matter
+    results = []
+    for group_size in (1, 4):
+        model.zero_grad()
+        lp, _ = pacs.response_logprobs(model, roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"],
+                                       roll["response_mask"], temperature=0.8, group_size=group_size)
+        (lp * roll["response_mask"]).sum().backward()
+        results.append((lp.detach() * roll["response_mask"], [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    for g1, g4 in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(g1, g4, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prefill_generates_what_per_row_prefill_does(tiny_model_dir):
+    model, tok = pacs.load_model(tiny_model_dir)
+    prompts = [pacs.build_prompt(tok, "What is 1 + 1?"), pacs.build_prompt(tok, "A longer one: what is 10 + 20?")]
+    shared = pacs.sample(model, tok, prompts, group_size=3, max_new_tokens=8, greedy=True)
+    per_row = pacs.sample(model, tok, [p for p in prompts for _ in range(3)], group_size=1, max_new_tokens=8, greedy=True)
+    assert torch.equal(shared["response_ids"], per_row["response_ids"])
+    assert torch.equal(shared["prompt_ids"], per_row["prompt_ids"])
