@@ -1,0 +1,307 @@
+"""Tests of verify.py: the labelled set, the traps, extraction, fuzzing, timeouts, CLI.
+
+    python -m pytest -q tests/test_verify.py
+"""
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import verify
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = [json.loads(line) for line in open(ROOT / "tests" / "verify_cases.jsonl", encoding="utf-8") if line.strip()]
+SLOW = (r"e^{e^{e^{e^{x}}}}", r"e^{e^{e^{e^{x}}}}+1")  # ~0.5 s of sympy work: a timeout target
+
+
+def _data_file(name):
+    for base in (ROOT / "shared" / "data", ROOT.parent / "shared" / "data"):
+        if (base / name).exists():
+            return base / name
+    return None
+
+
+# --- the labelled set ------------------------------------------------------------------
+
+def test_labelled_set_shape():
+    assert len(CASES) >= 150
+    assert sum(not c["expected"] for c in CASES) >= len(CASES) / 4
+    assert len({c["category"] for c in CASES}) >= 8
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{i}-{c['category']}" for i, c in enumerate(CASES)])
+def test_labelled_case(case):
+    assert verify.verify(case["response"], case["answer"]) is case["expected"]
+
+
+# --- the traps the issue names -------------------------------------------------------------
+
+TRAPS = [
+    (r"First \boxed{5}. Wait, that is wrong: \boxed{7}.", "5"),  # several boxes, the last is wrong
+    (r"The answer is \boxed{}.", "5"),  # empty box
+    (r"The answer is \boxed{ }.", ""),  # empty box against an empty gold
+    (r"The answer is \boxed{5, 6}.", "5"),  # a list of candidates when one answer is asked
+    (r"It is \boxed{5} or \boxed{6}.", "5"),
+    (r"The answer is \boxed{5 \text{ or } 6}.", "5"),
+    (r"The answer is \boxed{15}.", "5"),  # the gold only as a substring
+    (r"The answer is \boxed{2.5}.", "5"),
+    (r"The answer is \boxed{x+5}.", "5"),
+    (r"The answer is \boxed{1000001}.", "1000000"),  # near-miss numbers
+    (r"The answer is \boxed{123456789012345678902}.", "123456789012345678901"),
+    (r"The answer is \boxed{3.1416}.", r"\pi"),
+    (r"The answer is \boxed{0.3333}.", r"\frac{1}{3}"),
+    (r"The answer is \boxed{0.1500001}.", "0.15"),
+    (r"The answer is \boxed{1 + \sqrt{19}}.", r"1 \pm \sqrt{19}"),  # one root for +-
+    (r"The answer is \boxed{\pm 5}.", "5"),
+    (r"The answer is \boxed{(3, 4)}.", "(3,4]"),  # open vs closed end
+    (r"The answer is \boxed{[2, \infty)}.", r"(2,\infty)"),
+    (r"The answer is \boxed{(31, 6, -1)}.", "(6,31,-1)"),  # permuted tuple
+    (r"The answer is \boxed{x^{9999}(x-1)+10^{-30}}.", r"x^{10000}-x^{9999}"),  # tiny constants are not noise
+    (r"The answer is \boxed{x = 5 + 10^{-30}}.", "x = 5"),
+    (r"The answer is \boxed{\boxed{5}, 6}.", "5"),  # hedges: a box inside the box, text that is not a unit
+    (r"The answer is \boxed{5\text{ (or 6)}}.", "5"),
+    (r"The answer is \boxed{5 maybe six}.", "5"),
+    (r"The answer is \boxed{|\ln(0)|+1}.", r"|\ln(0)|"),  # infinite / undefined values equal nothing
+]
+
+
+@pytest.mark.parametrize("response,gold", TRAPS)
+def test_trap_is_false(response, gold):
+    assert verify.verify(response, gold) is False
+
+
+# --- extraction ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("response,expected", [
+    (r"so $\boxed{\frac{\sqrt{3}}{2}}$.", r"\frac{\sqrt{3}}{2}"),  # nested braces
+    (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),  # escaped braces do not close the box
+    (r"hence \boxed 5.", "5"),
+    (r"\fbox{17}", "17"),
+    (r"first \boxed{3} then \boxed{4}", "4"),
+    (r"\boxed{-2} and \boxed{1}", "-2, 1"),
+    (r"\boxed{7}\n\n\boxed{7}", "7"),
+    (r"\boxed{\boxed{12}}", "12"),
+    (r"\boxed{\boxed{5}, 6}", r"\boxed{5}, 6"),
+    (r"\boxed{}", None),
+    (r"\boxed{12", None),  # truncated: no answer, no fallback
+    ("The final answer is $\\frac{3}{56}$. I hope it is correct.", r"\frac{3}{56}"),
+    ("Answer: 42", "42"),
+    ("#### 1,234", "1,234"),
+    ("so we get $x = 3$ in the end", "x = 3"),
+    ("we count 3 apples and 4 pears, 7 in total", "7"),
+    ("no digits here", None),
+    (None, None),
+])
+def test_extract_answer(response, expected):
+    assert verify.extract_answer(response) == expected
+
+
+def test_strict_accepts_only_boxes():
+    assert verify.extract_answer("The answer is 5.", strict=True) is None
+    assert verify.extract_answer(r"The answer is \boxed{5}.", strict=True) == "5"
+    assert verify.verify("The answer is 5.", "5") is True
+    assert verify.verify("The answer is 5.", "5", strict=True) is False
+
+
+@pytest.mark.parametrize("answer,gold,expected", [
+    ("025", "25", True), ("25", "025", True), ("x=5", "5", True), (r"\text{(C)}", "C", True),
+    ("1,000", "1000", True), ("1, 000", "1000", False), ("y = 2x+1", "2x + 1 = y", True),
+    ("x = 1, x = 2", "2,1", True), (r"\frac12", "50\\%", True), ("a = b", "b = a", True), ("x = 1", "y = 1", False),
+])
+def test_is_equiv(answer, gold, expected):
+    assert verify.is_equiv(answer, gold) is expected
+
+
+# --- real gold answers --------------------------------------------------------------------
+
+def test_math500_golds():
+    path = _data_file("math500.jsonl")
+    if path is None:
+        pytest.skip("shared/data/math500.jsonl not found")
+    golds = [json.loads(line)["answer"] for line in open(path, encoding="utf-8")]
+    for g in golds:
+        assert verify.is_equiv(g, g), g
+        assert verify.verify(f"... so the answer is $\\boxed{{{g}}}$.", g), g
+    shifted = golds[1:] + golds[:1]  # a different gold is (almost always) a different answer
+    equal = [(a, g) for a, g in zip(shifted, golds) if verify.is_equiv(a, g) and verify._normalize(a) != verify._normalize(g)]
+    assert len(equal) <= 2, equal
+
+
+def test_aime_leading_zeros():
+    path = _data_file("aime24.jsonl")
+    golds = [json.loads(line)["answer"] for line in open(path, encoding="utf-8")] if path else ["025", "073", "204"]
+    for g in golds:
+        assert verify.verify(rf"\boxed{{{int(g)}}}", g) and verify.verify(rf"\boxed{{{int(g):03d}}}", g)
+        assert not verify.verify(rf"\boxed{{{int(g) + 1}}}", g)
+
+
+# --- fuzzing: never raises, never hangs -------------------------------------------------------
+
+TOKENS = [r"\frac", r"\sqrt", r"\boxed{", r"\fbox{", "{", "}", "(", ")", "[", "]", r"\{", r"\}", "^", "_", "10", "2", "0", "9",
+          "x", "y", "e", "i", r"\pi", r"\infty", r"\pm", r"\cdot", r"\times", "+", "-", "/", "=", "<", r"\le", ",", ".", "%",
+          r"\%", "$", r"\left(", r"\right)", r"\begin{pmatrix}", r"\end{pmatrix}", "\\\\", "&", r"\text{", "cm", " ",
+          r"\sin", r"\log_", r"\ln", "!", "|", r"\cup", r"\in", "The answer is ", r"\binom", r"\lfloor", r"\rfloor", "\n"]
+def fuzz(n):  # n examples, no per-example deadline (the bound is asserted in _bounded)
+    return settings(max_examples=n, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+
+
+def _bounded(fn, *args):
+    start = time.monotonic()
+    out = fn(*args)
+    assert isinstance(out, bool)
+    assert time.monotonic() - start < verify.TIMEOUT + 10  # one budget, plus a worker restart
+    return out
+
+
+@fuzz(3000)
+@given(st.lists(st.sampled_from(TOKENS), max_size=25).map("".join), st.sampled_from(["5", r"\frac{1}{2}", "(1,2)", "x+1", r"[0,\infty)"]))
+def test_fuzz_latex_tokens(response, gold):
+    _bounded(verify.verify, response, gold)
+    _bounded(verify.verify, r"\boxed{" + response + "}", gold)
+
+
+@fuzz(2500)
+@given(st.one_of(
+    st.integers(1, 5000).map(lambda n: "{" * n + "1" + "}" * n),  # deep nesting
+    st.integers(1, 3000).map(lambda n: r"\boxed{" * n + "1" + "}" * n),
+    st.integers(1, 3000).map(lambda n: "(" * n + "x" + ")" * n),
+    st.integers(1, 60).map(lambda n: "10^{" * n + "10" + "}" * n),  # exponent towers
+    st.integers(1, 60).map(lambda n: "x^{" * n + "x" + "}" * n),
+    st.tuples(st.integers(0, 10**6), st.integers(0, 10**7)).map(lambda t: f"{t[0]}^{{{t[1]}}}"),  # huge exponents
+    st.integers(1, 3000).map(lambda n: "9" * n),
+    st.integers(1, 500).map(lambda n: r"\sqrt{" * n + "2" + "}" * n),
+    st.integers(1, 200).map(lambda n: "!" * n + "7"),
+    st.text(min_size=1000, max_size=30000),  # long garbage
+    st.text(alphabet="{}()[]^_\\$,=x1", min_size=100, max_size=5000),
+))
+def test_fuzz_adversarial(s):
+    _bounded(verify.verify, r"\boxed{" + s + "}", "10")
+    _bounded(verify.is_equiv, s, s + "+1")
+
+
+@fuzz(2500)
+@given(st.text(max_size=60), st.text(alphabet="0123456789x+-*/^(){}.,=\\frac ", max_size=30))
+def test_fuzz_pairs(a, b):
+    _bounded(verify.is_equiv, a, b)
+    _bounded(verify.verify, a, b)
+
+
+def _grow(children):
+    two = st.tuples(children, children)
+    return st.one_of(
+        two.map(lambda t: f"{t[0]}+{t[1]}"), two.map(lambda t: f"{t[0]}-{t[1]}"), two.map(lambda t: f"({t[0]})({t[1]})"),
+        two.map(lambda t: rf"\frac{{{t[0]}}}{{{t[1]}}}"), two.map(lambda t: f"({t[0]})^{{{t[1]}}}"),
+        children.map(lambda c: rf"\sqrt{{{c}}}"), children.map(lambda c: rf"\sin({c})"), children.map(lambda c: rf"\ln({c})"),
+        children.map(lambda c: f"|{c}|"), children.map(lambda c: f"-({c})"))
+
+
+EXPRESSIONS = st.recursive(st.sampled_from(["x", "y", "0", "1", "2", "3", "10", "99", r"\pi", "e", "i", "0.5", r"\frac{1}{3}"]),
+                           _grow, max_leaves=10)
+
+
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")  # long reprs of big expressions
+@fuzz(2000)
+@given(EXPRESSIONS)
+def test_fuzz_expressions_no_false_positive(e):
+    """Random well-formed expressions reach sympy; `e` and `e + 1` are never the same answer."""
+    assert _bounded(verify.is_equiv, f"({e})+1", e) is False
+    _bounded(verify.verify, rf"\boxed{{{e}}}", f"{e}")
+
+
+def test_refused_before_sympy():
+    start = time.monotonic()
+    assert not verify.is_equiv("10^{10^{10}}", "10^{10^{10}}+1")
+    assert not verify.is_equiv("(10^{999})^{999}", "0")
+    assert not verify.is_equiv("{" * 100000 + "1" + "}" * 100000, "1")
+    assert not verify.verify("x" * 2_000_000, "1")
+    assert not verify.verify("\\(" * 50_000, "1") and not verify.verify("\\[" * 50_000 + "1", "2")  # no regex rescans
+    assert not verify.verify(r"\boxed{1}\text{" + " " * 50_000 + r"\boxed{2}", "1")
+    assert time.monotonic() - start < 5
+    assert verify._to_code("10^{10^{10}}") is None and verify._to_code("2^{10}") is not None
+
+
+# --- the timeout: off the main thread and inside worker processes -----------------------------------
+
+def test_timeout_off_main_thread():
+    verify.is_equiv("x+1", "1+x")  # the worker is up
+    out = {}
+
+    def run():
+        start = time.monotonic()
+        out["slow"] = verify.is_equiv(*SLOW, timeout=0.02)  # sympy would need ~0.5 s
+        out["secs"] = time.monotonic() - start
+        out["fine"] = verify.is_equiv(r"\tan^2(y)+1", r"\sec^2(y)")
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    assert not t.is_alive()
+    assert out["slow"] is False and out["secs"] < 3 and out["fine"] is True
+
+
+def test_hung_worker_is_killed():
+    verify.is_equiv("x+2", "2+x")
+    proc = verify._W["proc"]
+    os.kill(proc.pid, signal.SIGSTOP)  # a worker that never answers (stuck in C code, say)
+    try:
+        start = time.monotonic()
+        assert verify.is_equiv("x^2+3", "3+x^2", timeout=0.3) is False
+        assert time.monotonic() - start < 3
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+    assert proc.poll() is not None  # killed; the next call starts a fresh worker
+    assert verify.is_equiv("x^2+3", "3+x^2") is True
+
+
+def _in_worker(_):
+    start = time.monotonic()
+    slow = verify.is_equiv(*SLOW, timeout=0.02)
+    secs = time.monotonic() - start
+    return slow, secs, verify.verify(r"\boxed{(x+2)(x+5)}", "x^2+7x+10")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_timeout_in_worker_processes(method):
+    if method not in multiprocessing.get_all_start_methods():
+        pytest.skip(method)
+    verify.is_equiv("x+3", "3+x")  # a forked child must not reuse this process's worker
+    with multiprocessing.get_context(method).Pool(2) as pool:  # daemonic workers
+        for slow, secs, fine in pool.map(_in_worker, range(2)):
+            assert slow is False and secs < 5 and fine is True
+    assert verify.is_equiv("x+3", "3+x")
+
+
+# --- import and CLI ---------------------------------------------------------------------------
+
+def test_import_is_light():
+    code = "import sys, verify; assert 'sympy' not in sys.modules; assert verify._W['proc'] is None"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_cli_single():
+    out = subprocess.run([sys.executable, "verify.py", r"so \boxed{\dfrac{14}{3}}", r"\frac{14}{3}"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "extracted: \\dfrac{14}{3}" in out and "verdict: True" in out
+    out = subprocess.run([sys.executable, "verify.py", r"\boxed{5}", "6"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "verdict: False" in out
+
+
+def test_cli_jsonl(tmp_path):
+    rows = [{"response": r"\boxed{2}", "answer": "2", "expected": True},
+            {"response": r"\boxed{3}", "answer": "2", "expected": False},
+            {"response": r"\boxed{x}", "answer": "y", "expected": True}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run([sys.executable, "verify.py", "--jsonl", str(path)], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "accuracy: 2/3" in out and "false negatives: 1" in out and "responses/s" in out

@@ -1,0 +1,1168 @@
+"""verify.py: a rule-based checker for final answers of math solutions.
+
+In PACS the verifier *is* the reward: a false positive is a reward the policy learns to
+hack, a false negative punishes a correct answer. So this checker is strict where
+strictness is cheap (the last `\\boxed{}` is the answer; integers compare exactly; a
+list of candidates is not an answer) and lenient only where the notation, not the
+mathematics, differs (`\\dfrac12` = `0.5` = `50\\%`, `x = 5` = `5`, `025` = `25`).
+
+    from verify import verify, extract_answer, is_equiv
+    verify(r"... so the answer is $\\boxed{\\frac{14}{3}}$.", r"\\frac{14}{3}")   # True
+    extract_answer(r"\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}")           # '\\left( 3, ...'
+    is_equiv("x = 1, x = 2", "2,1")                                          # True
+
+    python verify.py RESPONSE GOLD          # prints the extracted answer and the verdict
+    python verify.py --jsonl FILE           # scores {response, answer[, expected]} rows
+
+How a comparison runs:
+
+1. `extract_answer` takes the last `\\boxed{...}` / `\\fbox{...}` (boxes that end the
+   response side by side, `\\boxed{1}, \\boxed{2}`, are read as one list); without a box,
+   and unless `strict=True`, "the final answer is ...", "answer: ...", "#### ...",
+   then the last `$...$` span or the last number, whichever comes later.
+2. `is_equiv` normalises both strings (`\\left`, spacing, `\\dfrac`, `^\\circ`, `\\%`,
+   `\\$`, units, thousands separators ...), splits structure in plain Python
+   (lists, sets, tuples, intervals, unions, matrices, equations, inequalities),
+   compares plain numbers exactly with `fractions.Fraction` (the fast path), and only
+   sends the remaining leaves to sympy.
+3. sympy runs in one persistent worker subprocess per process, started lazily. Each
+   comparison gets a time budget (`TIMEOUT`, 1 s): the worker interrupts itself with
+   `SIGALRM` (it is its own main thread) and the caller kills it if it still does not
+   answer; a timeout means "not equal". This works from any thread and inside
+   multiprocessing workers (daemonic ones too), and keeps `import verify` free of sympy.
+   The worker's address space is capped, and LaTeX is translated to sympy by a small
+   hand-written parser that refuses huge exponents, towers and deep nesting before
+   sympy ever sees them. One worker serves all threads of a process (requests queue on a
+   lock). POSIX only: it relies on select() on pipes and SIGALRM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from fractions import Fraction
+
+TIMEOUT = 1.0  # seconds of sympy work allowed for one comparison
+MAX_RESPONSE = 100_000  # only the tail of longer responses is searched for a box
+MAX_TAIL = 5_000  # ... and only this much of it for the fallbacks (answers come last)
+MAX_ANSWER = 1_000  # longer answers are compared as normalised strings only
+MAX_DEPTH = 20  # deeper bracket nesting is compared as a string only
+MAX_ITEMS = 16  # larger lists / sets / matrices are compared as strings only
+WORKER_MEMORY = 2 << 30  # address-space cap (bytes) of the sympy worker
+
+# ---------------------------------------------------------------------------------------
+# 1. Extraction: what counts as the final answer
+# ---------------------------------------------------------------------------------------
+
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
+# What may separate boxes that are read together: spaces, commas, "and"/"or", math delimiters.
+_BOX_GAP = re.compile(r"(?:\s|[,;&]|\$|\\[\[\]()]|\\q?quad|\\text\{\s*(?:and|or)?\s*\}|and|or)*")
+_CUE = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*:?|####", re.I)
+# Bounded spans: an unbounded lazy `.+?` rescans the rest of the text from every `\(`.
+_SPAN = re.compile(r"\$\$(.{1,1000}?)\$\$|\$([^$]{1,1000}?)\$|\\\((.{1,1000}?)\\\)|\\\[(.{1,1000}?)\\\]", re.S)
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def _box_arg(s: str, i: int):
+    """The argument of a box command whose name ends at `i`: (text, end) or None."""
+    j = i
+    while j < len(s) and s[j] == " ":
+        j += 1
+    if j < len(s) and s[j] == "{":
+        depth, k = 0, j
+        while k < len(s):
+            c = s[k]
+            if c == "\\":  # `\{`, `\}` and `\\` are not group braces
+                k += 2
+                continue
+            depth += (c == "{") - (c == "}")
+            if depth == 0:
+                return s[j + 1 : k], k + 1
+            k += 1
+        return None  # unbalanced: a truncated generation has no answer
+    m = re.match(r"[^\s$]+", s[j:])  # `\boxed 5`: one token (a sentence's period is not in it)
+    return (m.group(0).rstrip(".,;"), j + m.end()) if m else None
+
+
+def _boxes(s: str) -> list:
+    """The outermost boxes as (start, end, content); a box inside a box is part of its content
+    (so `\\boxed{\\boxed{5}, 6}` answers `\\boxed{5}, 6`). An unclosed box ends the list."""
+    out, end = [], -1
+    for m in _BOX.finditer(s):
+        if m.start() < end:
+            continue
+        arg = _box_arg(s, m.end())
+        out.append((m.start(), None, None) if arg is None else (m.start(), arg[1], arg[0]))
+        if arg is None:
+            break
+        end = arg[1]
+    return out
+
+
+def _boxed(s: str):
+    """Content of the last box, or None. Boxes that close the response side by side
+    (`\\boxed{-2} and \\boxed{1}`) are joined into one list, so a list answer can be
+    written box by box; boxes separated by any prose are not (the last one counts)."""
+    boxes = _boxes(s)
+    if not boxes or boxes[-1][2] is None:
+        return None
+    parts, begin = [boxes[-1][2].strip()], boxes[-1][0]
+    for start, end, content in reversed(boxes[:-1]):
+        if begin - end > 40 or not _BOX_GAP.fullmatch(s[end:begin]):
+            break
+        parts.insert(0, content.strip())
+        begin = start
+    for i, p in enumerate(parts):  # `\\boxed{\\boxed{5}}` is `5` (a few levels; deeper is junk)
+        for _ in range(3):
+            inner = _boxes(p)
+            if not (len(inner) == 1 and inner[0][0] == 0 and inner[0][1] == len(p)):
+                break
+            p = parts[i] = inner[0][2].strip()
+    return ", ".join(dict.fromkeys(parts))  # the same box twice is one answer
+
+
+def _after_last_equals(x: str) -> str:
+    """`\\frac12 \\cdot 10 = 5` -> `5`; keeps `x = 5` (an assignment) and `... = 0` (an equation)."""
+    bits = _split_top(x, "=")
+    if len(bits) > 1 and not _is_name(bits[0].strip()) and bits[-1].strip() not in ("0", ""):
+        return bits[-1]
+    return x
+
+
+def _clean_cue(seg: str):
+    """Turn the text after an answer cue into an answer: the first math span, else the
+    clause up to the sentence end, reduced to what follows "is", else its last number."""
+    seg = seg.strip()
+    m = _SPAN.match(seg)
+    if m:
+        return next(g for g in m.groups() if g is not None)
+    seg = re.split(r"\.(?:\s|$)|\n| I hope", seg)[0]
+    seg = re.split(r"\bis\b", seg)[-1].strip()
+    m = _SPAN.match(seg)
+    if m:
+        return next(g for g in m.groups() if g is not None)
+    words = re.findall(r"[A-Za-z]{3,}", re.sub(r"\\[a-zA-Z]+(\{[^{}]*\})?", " ", seg))
+    if len([w for w in words if w.lower() not in ("and", "or")]) >= 2:  # prose
+        nums = _NUMBER.findall(seg)
+        return nums[-1] if nums else None
+    return seg or None
+
+
+def extract_answer(response: str, strict: bool = False) -> str | None:
+    """The final answer of a model response, or None.
+
+    The last `\\boxed{...}`/`\\fbox{...}` wins; an empty or unclosed last box is no answer
+    (a response that boxes is judged by its box alone). With `strict=True` only boxes count.
+    Otherwise: the last answer cue ("the final answer is", "answer:", "####"), then the
+    last `$...$` / `\\(...\\)` / `\\[...\\]` span or the last number, whichever is later.
+    """
+    if not isinstance(response, str):
+        return None
+    s = response[-MAX_RESPONSE:]
+    if _BOX.search(s):
+        box = _boxed(s)
+        return box.strip() or None if box is not None else None
+    if strict:
+        return None
+    s = s[-MAX_TAIL:]
+    cues = list(_CUE.finditer(s))
+    if cues:
+        ans = _clean_cue(s[cues[-1].end() : cues[-1].end() + 400])
+        if ans:
+            return ans.strip()
+    spans, nums = list(_SPAN.finditer(s)), list(_NUMBER.finditer(s))
+    if spans and (not nums or spans[-1].end() >= nums[-1].end()):
+        text = next(g for g in spans[-1].groups() if g is not None).strip().rstrip(".,")
+        return _after_last_equals(text).strip() or None
+    return nums[-1].group(0) if nums else None
+
+
+# ---------------------------------------------------------------------------------------
+# 2. Normalisation: notation that never changes the value
+# ---------------------------------------------------------------------------------------
+
+_UNICODE = {"−": "-", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ", "√": "\\sqrt", "π": "\\pi ",
+            "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "∪": "\\cup ", "±": "\\pm ", "∞": "\\infty ",
+            "°": "", "\u00a0": " "}
+_UNITS = (r"(?:square |sq\.? |cubic )?(?:units?|cm|mm|km|meters?|metres?|inch(?:es)?|in|feet|foot|ft|"
+          r"yards?|yd|miles?|mi|kg|grams?|pounds?|lbs?|seconds?|sec|minutes?|min|hours?|hrs?|days?|"
+          r"weeks?|months?|years?|degrees?|deg|radians?|dollars?|cents?|mph|people|students|ways)")
+_ROW = "\ue000"  # stands for `\\` (not whitespace, unlike \x1e)
+_TEXTCMD = r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox|boldsymbol|operatorname)"
+_UNITCMD = r"\\(?:text|textbf|textit|textrm|textnormal|mbox)"
+
+
+def _normalize(s: str) -> str:
+    """Canonical spelling of an answer string (spaces kept, collapsed)."""
+    for k, v in _UNICODE.items():
+        s = s.replace(k, v)
+    s = re.sub(r"\s+", " ", s)  # first: with single spaces no `\s*` below can backtrack badly
+    s = s.replace("\\\\", _ROW)  # LaTeX row break: a matrix row separator, else a space
+    for _ in range(8):  # unwrap boxes (a gold may come boxed): `x \in \boxed{[0, 1]}`
+        m = _BOX.search(s)
+        arg = _box_arg(s, m.end()) if m else None
+        if arg is None:
+            break
+        s = s[: m.start()] + arg[0] + s[arg[1] :]
+    # Thousands separators that cannot be list commas: `10,\!080`, `14{,}916`, `1\,000`.
+    s = re.sub(r"(\d)\s*(?:\{\s*,\s*\}|,\s*\\!\s*|\\,)\s*(?=\d{3}(?!\d))", r"\1", s)
+    s = re.sub(r"\\(?:left\.|right\.|displaystyle|textstyle|!)", "", s)
+    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])", "", s)
+    s = re.sub(r"\\[,:; ]|\\q?quad(?![a-zA-Z])|~", " ", s)
+    s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
+    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])", "", s)
+    s = s.replace("\\$", "").replace("$", "").replace("\\%", "%").replace("**", "^")
+    s = re.sub(r"(?<=[\d}])\s*(?:percent|pct)\b", "%", s)
+    s = re.sub(r"\s*,?\s*\\text\{\s*,?\s*(?:and|or)\s*\}\s*|\s*,?\s+(?:and|or)\s+", ",", s)  # `6, 8, and 10`
+    # Trailing units in \text{...} after a value: `5.4 \text{ cents}`, `15\mbox{ cm}^2`.
+    prev = None
+    while prev != s:
+        prev = s
+        s = re.sub(r"^(.*?[^\s,])\s*" + _UNITCMD + r"\{[^{}\d]*\}(?:\^\{?\d\}?)?\s*\.?$", r"\1", s)
+    for _ in range(4):  # unwrap \text{...}: text is compared as text
+        s = re.sub(_TEXTCMD + r"\s*\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"(?<=[\d}])\s*" + _UNITS + r"(?:\^\{?[23]\}?)?\s*\.?$", "", s)
+    s = re.sub(r"^([-+]?[\d.]+)\s+(?!(?:sin|cos|tan|log|ln|exp|not|maybe|one|two|three|four|five|six|seven|eight|nine|"
+               r"ten|hundred|thousand|million|billion)\b)[A-Za-z]{3,}$", r"\1", s)  # `8 apples`
+    s = re.sub(r"\\mathbb\s*\{?R\}?|(?i:all real numbers)", r"(-\\infty,\\infty)", s)
+    s = re.sub(r"\\le(?:q|qslant)?(?![a-zA-Z])|<=", r"\\le ", s)
+    s = re.sub(r"\\ge(?:q|qslant)?(?![a-zA-Z])|>=", r"\\ge ", s)
+    s = re.sub(r"\\neq?(?![a-zA-Z])|!=", r"\\ne ", s)
+    s = re.sub(r"\\lt(?![a-zA-Z])", "<", re.sub(r"\\gt(?![a-zA-Z])", ">", s))
+    s = re.sub(r"\\lbrace(?![a-zA-Z])", r"\\{", re.sub(r"\\rbrace(?![a-zA-Z])", r"\\}", s))
+    s = re.sub(r"\\langle(?![a-zA-Z])", "(", re.sub(r"\\rangle(?![a-zA-Z])", ")", s))
+    s = re.sub(r"\\[lr]?vert(?![a-zA-Z])|\\mid(?![a-zA-Z])", "|", s)
+    s = re.sub(r"\\[lc]?dots[bc]?(?![a-zA-Z])|\\ldots", "...", s)
+    s = re.sub(r"\\varnothing(?![a-zA-Z])|\\\{\s*\\\}|\\empty(?:set)?(?![a-zA-Z])", r"\\emptyset", s)
+    s = re.sub(r"(^|[(\[,])\s*\+\s*\\infty", r"\1\\infty", s)  # `(2, +\infty)`
+    s = re.sub(r"\\infinity|(?<![a-zA-Z\\])infinity|(?<![a-zA-Z\\])infty", r"\\infty", s)
+    if "matrix" not in s and "array" not in s:
+        s = s.replace(_ROW, " ")
+    s = re.sub(r"\s+", " ", s).strip()
+    s = re.sub(r"^[=:]\s*", "", s)
+    s = re.sub(r"(?<!\.)\.$|[,;]$", "", s).strip()  # a sentence's period, never an ellipsis
+    return s
+
+
+def _squash(s: str) -> str:
+    """Remove spaces, except the one that ends a command before a letter (`\\pi r`)."""
+    return re.sub(r"(\\[a-zA-Z]+)\s+(?=[a-zA-Z])|\s+", lambda m: m.group(1) + " " if m.group(1) else "", s)
+
+
+# ---------------------------------------------------------------------------------------
+# 3. Structure: lists, sets, tuples, intervals, matrices, relations (plain Python)
+# ---------------------------------------------------------------------------------------
+
+_OPEN, _CLOSE = "([{", ")]}"
+_REL = re.compile(r"\\le |\\ge |\\ne |\\le$|\\ge$|<|>|=")
+_NAME = re.compile(r"(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?[a-zA-Z0-9]+\}?)?(?:\([a-zA-Z]\))?")
+
+
+def _depth(s: str) -> int:
+    d = best = 0
+    for c in s:
+        d += (c in _OPEN) - (c in _CLOSE)
+        best = max(best, d)
+    return best
+
+
+def _split_top(s: str, sep: str) -> list[str]:
+    """Split at `sep` outside all brackets (`\\{`, `[a,b)` count as brackets)."""
+    parts, depth, last, i = [], 0, 0, 0
+    while i < len(s):
+        c = s[i]
+        if c in _OPEN:
+            depth += 1
+        elif c in _CLOSE:
+            depth -= 1
+        elif depth == 0 and s.startswith(sep, i) and not (sep[-1].isalpha() and s[i + len(sep) : i + len(sep) + 1].isalpha()):
+            parts.append(s[last:i])
+            last = i + len(sep)
+            i = last
+            continue
+        i += 1
+    return parts + [s[last:]]
+
+
+def _wrapped(s: str) -> bool:
+    """Does the bracket opened by s[0] close only at s[-1]?"""
+    depth = 0
+    for i, c in enumerate(s):
+        depth += (c in _OPEN) - (c in _CLOSE)
+        if depth == 0:
+            return i == len(s) - 1
+    return False
+
+
+def _is_name(s: str) -> bool:
+    """A variable (`x`, `a_1`, `\\theta`, `f(x)`) or a tuple of them (`(p,q)`)."""
+    s = _squash(s)
+    if s.startswith("(") and s.endswith(")"):
+        return all(_NAME.fullmatch(p) for p in s[1:-1].split(","))
+    return bool(_NAME.fullmatch(s)) and s not in ("\\pi", "\\infty", "e", "i")
+
+
+def _split_relation(s: str):
+    """`a < b \\le c` -> ([a, b, c], ['<', '\\le ']) at the top level."""
+    exprs, ops, depth, last, i = [], [], 0, 0, 0
+    while i < len(s):
+        c = s[i]
+        depth += (c in _OPEN) - (c in _CLOSE)
+        m = _REL.match(s, i) if depth == 0 else None
+        if m:
+            exprs.append(s[last:i].strip())
+            ops.append(m.group(0).strip())
+            i = last = m.end()
+            continue
+        i += 1
+    return exprs + [s[last:].strip()], ops
+
+
+def _is_constant(s: str) -> bool:
+    return not re.search(r"[a-df-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", s))
+
+
+def _relation(s: str):
+    exprs, ops = _split_relation(s)
+    if not ops or any(not e for e in exprs):
+        return None
+    if all(o == "=" for o in ops):
+        # An assignment `x = 5` (or `x = 2 + 3 = 5`: the last value counts) states the value;
+        # any other equation is compared as an equation.
+        if _is_name(exprs[0]):
+            return ("assign", _squash(exprs[0]), _parse(exprs[-1]))
+        if len(exprs) == 2 and _is_name(exprs[1]):
+            return ("assign", _squash(exprs[1]), _parse(exprs[0]))
+        return ("eq", exprs[0], exprs[-1])
+    if "=" in ops or "\\ne" in ops and len(ops) > 1:
+        return None
+    if ops[0] in (">", "\\ge") and all(o in (">", "\\ge") for o in ops):  # write every chain with <
+        exprs, ops = exprs[::-1], ["<" if o == ">" else "\\le" for o in ops[::-1]]
+    if not all(o in ("<", "\\le") for o in ops) and ops != ["\\ne"]:
+        return None
+    # A one-variable inequality is the interval it describes: `-2 \le x < 7` is `[-2, 7)`.
+    names = [i for i, e in enumerate(exprs) if _is_name(e)]
+    if ops != ["\\ne"] and len(names) == 1 and all(_is_constant(e) for i, e in enumerate(exprs) if i != names[0]):
+        k = names[0]
+        lo = ("leaf", exprs[k - 1]) if k > 0 else ("leaf", "-\\infty")
+        hi = ("leaf", exprs[k + 1]) if k + 1 < len(exprs) else ("leaf", "\\infty")
+        left = "[" if k > 0 and ops[k - 1] == "\\le" else "("
+        right = "]" if k + 1 < len(exprs) and ops[k] == "\\le" else ")"
+        if len(exprs) <= 3:  # the relation rides along, for comparing with `-x > -1`
+            return ("seq", left, right, [lo, hi], ("rel", exprs, ops))
+    return ("rel", exprs, ops)
+
+
+def _expand_pm(s: str):
+    """`1 \\pm \\sqrt{19}` is the set of both roots (so one root alone is not equal)."""
+    n = len(re.findall(r"\\(?:pm|mp)(?![a-zA-Z])", s))
+    if n == 0 or n > 2:
+        return None
+    outs = [s]
+    for _ in range(n):
+        outs = [re.sub(r"\\(?:pm|mp)(?![a-zA-Z])", sign, o, count=1) for o in outs for sign in ("+", "-")]
+    return ("set", [("leaf", o) for o in dict.fromkeys(outs)], "pm")
+
+
+def _items(parts: list[str]) -> list:
+    """Parsed list items; a `\\pm` item contributes both of its values."""
+    out = []
+    for p in parts:
+        node = _parse(p)
+        out += node[1] if node and node[0] == "set" and node[2] == "pm" else [node]
+    return out
+
+
+def _parse(s: str):
+    """Structure of a normalised answer: nested tuples (kind, ...)."""
+    s = s.strip()
+    if not s:
+        return None
+    if "\\approx" in s:  # `x = 1/3 \approx 0.33`: the exact value before the approximation
+        left, right = s.split("\\approx", 1)
+        s = left if left.strip() and not left.strip().endswith("=") and not _is_name(left) else right
+        return _parse(s)
+    m = re.fullmatch(r"(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?\s*\\in\s*(.+)", s)
+    if m:  # `x \in [-2, 7]`
+        return _parse(m.group(1))
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?%?", s):  # `1,000`: one number, not a list
+        return ("leaf", s.replace(",", ""))
+    parts = _split_top(s, "\\cup")
+    if len(parts) > 1:
+        return ("union", [_parse(p) for p in parts])
+    parts = [p for p in _split_top(s.replace(";", ","), ",")]
+    if len(parts) > 1:
+        if len(parts) > MAX_ITEMS:
+            return ("leaf", s)
+        return ("set", _items(parts), True)  # a bare list: set of solutions
+    rel = _relation(s)
+    if rel is not None:
+        return rel
+    m = re.fullmatch(r"[(\[]?\s*\\begin\{([pbBvV]?matrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}\s*[)\]]?", s, re.S)
+    if m:
+        rows = [r for r in m.group(2).split(_ROW) if r.strip()]
+        table = [[_parse(c) for c in _split_top(r, "&")] for r in rows]
+        return ("matrix", table) if table and sum(map(len, table)) <= MAX_ITEMS * 4 else ("leaf", s)
+    if s[0] in "([" and s[-1] in ")]" and _wrapped(s):
+        items = _split_top(s[1:-1], ",")
+        if len(items) == 1:
+            return _parse(s[1:-1])
+        return ("seq", s[0], s[-1], [_parse(p) for p in items])
+    if s.startswith("\\{") and s.endswith("\\}") and _wrapped(s[1:]):
+        return ("set", _items([p for p in _split_top(s[2:-2], ",") if p.strip()]), False)
+    if s[0] == "{" and s[-1] == "}" and _wrapped(s):  # a bare TeX group
+        return _parse(s[1:-1])
+    return _expand_pm(s) or ("leaf", s)
+
+
+# ---------------------------------------------------------------------------------------
+# 4. Plain numbers: exact, in Python (the fast path)
+# ---------------------------------------------------------------------------------------
+
+_DEC = r"(?:\d+\.\d*|\.\d+)"
+_FRAC = re.compile(r"\\frac(?:\{(\d+)\}|(\d))(?:\{(\d+)\}|(\d))")
+
+
+def _unsigned(s: str):
+    """(value, written_as_decimal) of an unsigned plain number, or None."""
+    if s.isdigit():
+        return Fraction(int(s)), False
+    if re.fullmatch(_DEC, s):
+        return Fraction(s), True
+    m = re.fullmatch(r"(\d*)\.(\d*)\\overline\{?(\d+)\}?", s)
+    if m:  # a repeating decimal 0.1\overline{6} = 1/6: exact, not an approximation
+        head, rep = m.group(1) + m.group(2), m.group(3)
+        scale = 10 ** len(m.group(2))
+        return (Fraction(int(head or 0)) + Fraction(int(rep), 10 ** len(rep) - 1)) / scale, False
+    m = re.fullmatch(r"(\d*)" + _FRAC.pattern, s) or re.fullmatch(r"()(\d+)/(\d+)()()", s)
+    if m:  # a fraction, or a mixed number `7\frac{3}{4}` = 7 + 3/4
+        whole, num, den = m.group(1), m.group(2) or m.group(3), m.group(4) or m.group(5)
+        if int(den) == 0 or (whole and not m.group(0).startswith(whole + "\\frac")):
+            return None
+        return int(whole or 0) + Fraction(int(num), int(den)), False
+    m = re.fullmatch(r"(\d+|" + _DEC + r")(?:(?:\\times|\\cdot|\*)10\^\{?([-+]?\d+)\}?|[eE]([-+]?\d+))", s)
+    if m:  # scientific notation
+        exp = int(m.group(2) or m.group(3))
+        if abs(exp) <= 400:
+            return Fraction(m.group(1)) * Fraction(10) ** exp, "." in m.group(1)
+    return None
+
+
+def _number(s: str):
+    """(value, decimal?, percent?) of a squashed plain-number string, or None."""
+    pct = s.endswith("%")
+    s = s[:-1] if pct else s
+    sign = -1 if s.startswith("-") else 1
+    s = s.lstrip("+-") if s[:1] in "+-" and s[1:2] not in "+-" else s
+    try:
+        got = _unsigned(s)
+    except (ValueError, ZeroDivisionError):  # e.g. ints longer than Python's digit limit
+        return None
+    return None if got is None else (sign * got[0], got[1], pct)
+
+
+def _terminates(x: Fraction) -> bool:
+    d = x.denominator
+    for p in (2, 5):
+        while d % p == 0:
+            d //= p
+    return d == 1
+
+
+def _rounds_to(dec: Fraction, exact: Fraction) -> bool:
+    """A decimal stands for a value without a finite decimal expansion (1/3, pi) when it
+    agrees to 6 decimal places; a value the decimal could have written exactly must be
+    written exactly (3.2 is not 3.21, 4.9999999 is not 5)."""
+    err = abs(dec - exact)
+    return not _terminates(exact) and err <= Fraction(5, 10**7) and err <= abs(exact) / 10**4
+
+
+def _numbers_equal(a, b) -> bool:
+    """Exact comparison; `50\\%` may also mean 0.5 (and `10\\%` vs `10` is the same answer)."""
+    (va, da, pa), (vb, db, pb) = a, b
+    for x in ([va, va / 100] if pa else [va]):
+        for y in ([vb, vb / 100] if pb else [vb]):
+            if x == y or (da and _rounds_to(x, y)) or (db and _rounds_to(y, x)):
+                return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------
+# 5. LaTeX -> sympy code (a small recursive-descent translator)
+# ---------------------------------------------------------------------------------------
+
+_TOKEN = re.compile(r"\\[a-zA-Z]+|\\.|\d+\.?\d*|\.\d+|[a-zA-Z]|\S")
+_FUNCS = {"sin": "sin", "cos": "cos", "tan": "tan", "cot": "cot", "sec": "sec", "csc": "csc",
+          "arcsin": "asin", "arccos": "acos", "arctan": "atan", "sinh": "sinh", "cosh": "cosh",
+          "tanh": "tanh", "ln": "log", "log": "log", "exp": "exp"}
+_GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi "
+             "rho sigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split())
+_WRAPPERS = {"mathrm", "mathbf", "mathit", "text", "boldsymbol", "operatorname", "mbox", "textbf"}
+_ATOM_CMDS = {"frac", "sqrt", "binom", "pi", "infty", "lfloor", "lceil"} | set(_FUNCS) | _GREEK | _WRAPPERS
+MAX_EXPONENT = 10_000  # |numeric exponent| allowed
+MAX_DIGITS = 100_000  # rough bound on the digits of any constant sub-expression
+
+
+class _Refuse(Exception):
+    """The string is not an expression this checker evaluates (or it is too big)."""
+
+
+class _Tex:
+    """Translate one LaTeX expression into Python code over sympy names.
+
+    Every method returns (code, digits, value): `digits` bounds the size of a constant
+    sub-expression (None when it has symbols) and `value` is its float value when cheap.
+    They let `^` refuse `10^{10^{10}}` or `(10^{999})^{999}` before sympy computes them."""
+
+    def __init__(self, s: str):
+        self.t, self.i, self.abs, self.decimal = _TOKEN.findall(s), 0, 0, False
+
+    def peek(self, k: int = 0):
+        return self.t[self.i + k] if self.i + k < len(self.t) else None
+
+    def take(self, want: str | None = None):
+        tok = self.peek()
+        if tok is None or (want is not None and tok != want):
+            raise _Refuse(tok)
+        self.i += 1
+        return tok
+
+    def run(self) -> str:
+        code = self.expr()[0]
+        if self.peek() is not None:
+            raise _Refuse(self.peek())
+        return code
+
+    def expr(self):
+        a = self.term()
+        while self.peek() in ("+", "-"):
+            op = self.take()
+            b = self.term()
+            a = (f"{a[0]}{op}{b[0]}", _grow(a[1], b[1]), _num(a[2], b[2], (lambda x, y: x + y) if op == "+" else (lambda x, y: x - y)))
+        return a
+
+    def term(self, arg: bool = False):
+        a = self.power() if arg else self.unary()
+        while True:
+            tok = self.peek()
+            if not arg and tok in ("*", "\\cdot", "\\times", "/", "\\div"):
+                op = "/" if self.take() in ("/", "\\div") else "*"
+                b = self.unary()
+            elif self.starts_atom(tok) and not (arg and tok[1:] in _FUNCS):
+                if tok[0].isdigit() and self.t[self.i - 1][0].isdigit():
+                    raise _Refuse("juxtaposed numbers")  # `0 2` is not 0*2 (a lost separator)
+                op, b = "*", self.power()
+            else:
+                return a
+            f = (lambda x, y: x / y) if op == "/" else (lambda x, y: x * y)
+            a = (f"{a[0]}{op}{b[0]}", _grow(a[1], b[1]), _num(a[2], b[2], f))
+
+    def starts_atom(self, tok) -> bool:
+        if tok is None:
+            return False
+        if tok[0] == "\\":
+            return tok[1:] in _ATOM_CMDS
+        return tok[0].isalnum() or tok[0] == "." or tok in ("(", "{", "[") or (tok == "|" and self.abs == 0)
+
+    def unary(self):
+        if self.peek() in ("-", "+"):
+            sign = self.take()
+            a = self.unary()
+            return (f"({sign}{a[0]})", a[1], None if a[2] is None else (-a[2] if sign == "-" else a[2]))
+        return self.power()
+
+    def power(self):
+        base = self.postfix()
+        if self.peek() != "^":
+            return base
+        self.take()
+        exp = self.group() if self.peek() == "{" else (self.unary() if self.peek() == "-" else self.single())
+        return _pow(base, exp)
+
+    def postfix(self):
+        a = self.atom()
+        while self.peek() in ("!", "%"):
+            if self.take() == "%":
+                a = (f"({a[0]})/100", a[1], None if a[2] is None else a[2] / 100)
+            elif a[2] is not None and not (a[2] == int(a[2]) and 0 <= a[2] <= 1000):
+                raise _Refuse("factorial")
+            else:
+                a = (f"factorial({a[0]})", None if a[2] is None else 3000, None if a[2] is None else math.gamma(min(a[2], 170) + 1))
+        return a
+
+    def single(self):
+        """One TeX argument token: `\\frac59`, `x^23` read a single digit."""
+        tok = self.peek()
+        if tok is not None and tok[0].isdigit() and len(tok) > 1:
+            self.t[self.i : self.i + 1] = [tok[0], tok[1:]]
+        return self.atom()
+
+    def group(self, close: str = "}"):
+        self.take({"}": "{", ")": "(", "]": "["}[close])
+        a = self.expr()
+        self.take(close)
+        return (f"({a[0]})",) + a[1:]
+
+    def arg(self):
+        return self.group() if self.peek() == "{" else self.single()
+
+    def atom(self):
+        tok = self.take()
+        if tok[0].isdigit() or tok[0] == ".":
+            if self.peek() == "_":
+                raise _Refuse("base-n number")
+            if "." in tok:
+                self.decimal = True
+                return (f"Rational('{tok}')", len(tok), float(tok))
+            return (f"Integer({tok})", len(tok), float(tok) if len(tok) < 300 else math.inf)
+        if tok.isalpha() and len(tok) == 1:
+            name = tok
+            if self.peek() == "_":
+                self.take()
+                sub = self.take()
+                if sub == "{":
+                    sub = ""
+                    while self.peek() not in ("}", None):
+                        sub += self.take()
+                    self.take("}")
+                if not re.fullmatch(r"[A-Za-z0-9+\-]{1,12}", sub):
+                    raise _Refuse("subscript")
+                return (f"Symbol('{name}_{sub}')", None, None)
+            if name == "e":
+                return ("E", 1, math.e)
+            if name == "i":
+                return ("I", None, None)
+            return (f"Symbol('{name}')", None, None)
+        if tok in ("(", "[", "{"):
+            self.i -= 1
+            return self.group({"(": ")", "[": "]", "{": "}"}[tok])
+        if tok == "|":
+            self.abs += 1
+            a = self.expr()
+            self.take("|")
+            self.abs -= 1
+            return (f"Abs({a[0]})", a[1], None if a[2] is None else abs(a[2]))
+        name = tok[1:]
+        if name == "frac":
+            a, b = self.arg(), self.arg()
+            return (f"({a[0]})/({b[0]})", _grow(a[1], b[1]), _num(a[2], b[2], lambda x, y: x / y))
+        if name == "sqrt":
+            if self.peek() == "[":
+                n = self.group("]")
+                a = self.arg()
+                return (f"root({a[0]},{n[0]})", a[1], None)
+            a = self.arg()
+            return (f"sqrt({a[0]})", a[1], None if a[2] is None or a[2] < 0 else math.sqrt(a[2]))
+        if name == "binom":
+            a, b = self.arg(), self.arg()
+            if (a[2] is not None and abs(a[2]) > MAX_EXPONENT) or (b[2] is not None and abs(b[2]) > MAX_EXPONENT):
+                raise _Refuse("binomial")
+            return (f"binomial({a[0]},{b[0]})", None if a[2] is None else int(abs(a[2])) + 1, None)
+        if name in ("pi", "infty"):
+            return ("pi", 1, math.pi) if name == "pi" else ("oo", None, None)
+        if name in _GREEK:
+            return (f"Symbol('{name}')", None, None)
+        if name in ("lfloor", "lceil"):
+            a = self.expr()
+            self.take("\\rfloor" if name == "lfloor" else "\\rceil")
+            return (f"{'floor' if name == 'lfloor' else 'ceiling'}({a[0]})", a[1], None)
+        if name in _WRAPPERS:
+            return self.group()
+        if name in _FUNCS:
+            exp = None
+            if self.peek() == "^":  # `\sin^2 x`
+                self.take()
+                exp = self.group() if self.peek() == "{" else self.single()
+            base = None
+            if name == "log" and self.peek() == "_":
+                self.take()
+                base = self.arg()
+            a = self.group(")") if self.peek() == "(" else self.term(arg=True)
+            code = f"{_FUNCS[name]}({a[0]}{',' + base[0] if base else ''})"
+            out = (code, None if a[1] is None else 1, None)
+            return _pow(out, exp) if exp else out
+        raise _Refuse(tok)
+
+
+def _grow(a, b):
+    return None if a is None or b is None else a + b + 1
+
+
+def _num(x, y, f):
+    try:
+        return None if x is None or y is None else float(f(x, y))
+    except (ArithmeticError, ValueError, TypeError):
+        return None
+
+
+def _pow(base, exp):
+    """`base**exp`, refused when it would be astronomically large."""
+    digits, value = None, None
+    if exp[2] is not None:
+        if not abs(exp[2]) <= MAX_EXPONENT:
+            raise _Refuse("exponent")
+        if base[1] is not None:
+            digits = base[1] * max(1.0, abs(exp[2]))
+            if digits > MAX_DIGITS:
+                raise _Refuse("too large")
+        value = _num(base[2], exp[2], lambda x, y: x**y if abs(y) < 1000 else math.inf)
+    elif exp[1] is not None or base[1] is not None:
+        # A symbolic exponent over a number, or an exponent we could not bound: leave it to
+        # sympy only when both stay symbolic; a constant tower with an unknown size is refused.
+        if exp[1] is not None and base[1] is not None:
+            raise _Refuse("tower")
+    return (f"({base[0]})**({exp[0]})", digits, value if isinstance(value, float) and value == value else None)
+
+
+def _to_code(s: str):
+    """(python code, contains a decimal literal) for a leaf, or None when not translatable."""
+    try:
+        tex = _Tex(_squash(s))
+        code = tex.run()
+        return code, tex.decimal
+    except (_Refuse, IndexError, RecursionError, ValueError, OverflowError, TypeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------
+# 6. Comparison
+# ---------------------------------------------------------------------------------------
+
+def _text_value(s: str):
+    """Text answers compare case-insensitively: `\\text{Evelyn}` = `evelyn`, `\\text{(C)}` = `C`."""
+    m = re.fullmatch(r"\(?([A-E])\)?|\(([A-Ea-e])\)(?: .*)?", s)
+    if m:  # a multiple-choice letter
+        return "choice:" + (m.group(1) or m.group(2)).upper()
+    words = re.findall(r"[A-Za-z]+", s)
+    if re.fullmatch(r"[A-Za-z][A-Za-z' \-]*", s) and (all(len(w) > 2 for w in words) or s.lower() in ("no", "ok")):
+        return " ".join(s.lower().split())  # words; `p - q` and `xy` stay math
+    return None
+
+
+def _leaf_equal(x: str, y: str, ctx) -> bool:
+    sx, sy = _squash(x), _squash(y)
+    if sx == sy:
+        return True
+    tx, ty = _text_value(x), _text_value(y)
+    if tx is not None or ty is not None:
+        return tx == ty
+    bx, by = re.fullmatch(r"(\d+)_\{?(\d+)\}?", sx), re.fullmatch(r"(\d+)_\{?(\d+)\}?", sy)
+    if bx or by:  # base-n numerals: `52_8` (the subscript may be omitted by the answer)
+        dx, dy = (bx.group(1) if bx else sx), (by.group(1) if by else sy)
+        return dx == dy and (not bx or not by or bx.group(2) == by.group(2))
+    nx, ny = _number(sx), _number(sy)
+    if nx and ny:
+        return _numbers_equal(nx, ny)
+    if len(sx) > MAX_ANSWER or len(sy) > MAX_ANSWER or max(_depth(sx), _depth(sy)) > MAX_DEPTH:
+        return False
+    if sx.endswith("%") != sy.endswith("%"):  # `10\%` answered as `\frac{1}{10}` or as `10`
+        px, py = (sx[:-1], sy) if sx.endswith("%") else (sx, sy[:-1])
+        if px.endswith("%") or py.endswith("%"):
+            return False
+        return _leaf_equal(px, py, ctx) or _sympy_equal("expr", f"({px})/100", py, ctx)
+    return _sympy_equal("expr", sx, sy, ctx)
+
+
+def _sympy_equal(mode: str, x: str, y: str, ctx) -> bool:
+    cx, cy = _to_code(x), _to_code(y)
+    if cx is None or cy is None:
+        return False
+    # Only a bare decimal (`3.141593`) may stand for an irrational value to 6 places; an
+    # expression that merely contains a decimal (`0.5\sqrt{2}`) is exact.
+    bare = [re.fullmatch(r"[-+]?(?:\d+\.\d*|\.\d+)", _squash(v)) is not None for v in (x, y)]
+    return _ask(mode, cx[0], cy[0], mode == "expr" and bare[0] != bare[1], ctx)
+
+
+def _diff(node) -> tuple[str, str] | None:
+    """An equation as the expression `lhs - (rhs)` (LaTeX), for proportionality tests."""
+    if node[0] == "eq":
+        return f"{node[1]}-({node[2]})"
+    if node[0] == "assign" and node[2] and node[2][0] == "leaf" and "(" not in node[1][:1]:
+        return f"{node[1]}-({node[2][1]})"
+    return None
+
+
+def _as_intervals(node):
+    if node[0] == "union":
+        return node[1]
+    if node[0] == "set" and node[2] and all(n and n[0] == "seq" and len(n[3]) == 2 for n in node[1]):
+        return node[1]  # `x < -1 or x > 2` written as a list of intervals
+    if node[0] == "seq" and len(node[3]) == 2:
+        return [node]
+    return None
+
+
+def _unordered(xs, ys, ctx) -> bool:
+    """Multiset equality; greedy matching is exact because equality is transitive."""
+    if len(xs) != len(ys):
+        return False
+    left = list(ys)
+    for x in xs:
+        for j, y in enumerate(left):
+            if _equal(x, y, ctx):
+                del left[j]
+                break
+        else:
+            return False
+    return True
+
+
+def _equal(a, b, ctx) -> bool:
+    if a is None or b is None:
+        return False
+    ka, kb = a[0], b[0]
+    if ka == "assign" and kb == "assign":
+        if a[1] != b[1]:  # `x = 1` is not `y = 1`, but `a = b` is `b = a`
+            da, db = _diff(a), _diff(b)
+            return da is not None and db is not None and _sympy_equal("eq", da, db, ctx)
+        return _equal(a[2], b[2], ctx)
+    if ka == "eq" or kb == "eq":  # equations: same solution set, `lhs - rhs` up to a factor
+        da, db = _diff(a), _diff(b)
+        return da is not None and db is not None and _sympy_equal("eq", da, db, ctx)
+    if ka == "assign":
+        return _equal(a[2], b, ctx)
+    if kb == "assign":
+        return _equal(a, b[2], ctx)
+    if ka == "rel" and kb == "seq" and len(b) > 4:
+        return _equal(a, b[4], ctx)
+    if kb == "rel" and ka == "seq" and len(a) > 4:
+        return _equal(a[4], b, ctx)
+    if ka == "rel" and kb == "rel":
+        if a[2] != b[2] or len(a[1]) != len(b[1]):
+            return False
+        mode = "eq" if a[2] == ["\\ne"] else "rel"
+        return all(_sympy_equal(mode, f"{a[1][i + 1]}-({a[1][i]})", f"{b[1][i + 1]}-({b[1][i]})", ctx) for i in range(len(a[2])))
+    if ka == "set" and len(a[1]) == 1:
+        return _equal(a[1][0], b, ctx)
+    if kb == "set" and len(b[1]) == 1:
+        return _equal(a, b[1][0], ctx)
+    if ka == "leaf" and kb == "leaf":
+        return _leaf_equal(a[1], b[1], ctx)
+    if ka == "union" or kb == "union":
+        ia, ib = _as_intervals(a), _as_intervals(b)
+        return ia is not None and ib is not None and _unordered(ia, ib, ctx)
+    if ka == "seq" and kb == "seq":  # tuples are ordered; interval ends must match
+        if len(a[3]) != len(b[3]) or (len(a[3]) == 2 and (a[1], a[2]) != (b[1], b[2])):
+            return False
+        return all(_equal(x, y, ctx) for x, y in zip(a[3], b[3]))
+    if {ka, kb} == {"seq", "set"}:  # `(1, 2)` answered as `1, 2`: compared in order
+        s, q = (a, b) if ka == "set" else (b, a)
+        return s[2] is True and q[1] == "(" and len(s[1]) == len(q[3]) and all(_equal(x, y, ctx) for x, y in zip(s[1], q[3]))
+    if ka == "set" and kb == "set":  # sets and lists of solutions are unordered
+        return _unordered(a[1], b[1], ctx)
+    if ka == "matrix" and kb == "matrix":
+        return [len(r) for r in a[1]] == [len(r) for r in b[1]] and all(
+            _equal(x, y, ctx) for ra, rb in zip(a[1], b[1]) for x, y in zip(ra, rb))
+    if {ka, kb} == {"matrix", "seq"}:  # a column vector written as a tuple
+        m, q = (a, b) if ka == "matrix" else (b, a)
+        flat = [r[0] for r in m[1] if len(r) == 1]
+        return q[1] == "(" and len(flat) == len(m[1]) == len(q[3]) and all(_equal(x, y, ctx) for x, y in zip(flat, q[3]))
+    return False
+
+
+def is_equiv(answer: str, gold: str, timeout: float = TIMEOUT) -> bool:
+    """Are two answer strings the same mathematical answer? Never raises."""
+    try:
+        if not isinstance(answer, str) or not isinstance(gold, str):
+            return False
+        if max(len(answer), len(gold)) > MAX_ANSWER:  # too big to be an answer: exact match only
+            return answer.strip() == gold.strip() != ""
+        a, g = _normalize(answer), _normalize(gold)
+        if not a or not g:
+            return False
+        if _squash(a) == _squash(g):
+            return True
+        if max(_depth(a), _depth(g)) > MAX_DEPTH:
+            return False  # too deep to parse: only an exact (normalised) match counts
+        return _equal(_parse(a), _parse(g), {"left": timeout})
+    except RecursionError:
+        return False
+    except Exception:  # noqa: BLE001 - the reward must never crash training
+        return False
+
+
+def verify(response: str, gold: str, strict: bool = False, timeout: float = TIMEOUT) -> bool:
+    """Extract the final answer of `response` and compare it with `gold`. Never raises."""
+    try:
+        answer = extract_answer(response, strict=strict)
+        return answer is not None and is_equiv(answer, gold, timeout=timeout)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# ---------------------------------------------------------------------------------------
+# 7. The sympy worker: a persistent subprocess with a deadline per request
+# ---------------------------------------------------------------------------------------
+# Why a subprocess: sympy cannot be interrupted from another thread, and signal.alarm only
+# works on the main thread of the main interpreter. A subprocess is its own main thread (it
+# can use SIGALRM to stop itself, cheaply), and when it does not answer in time the caller
+# kills it: nothing it does can hang or exhaust the caller. subprocess (not multiprocessing)
+# also works inside daemonic multiprocessing workers.
+
+_W = {"proc": None, "buf": b""}
+_LOCK = threading.Lock()
+_CACHE: dict = {}
+
+
+def _worker_compare(mode: str, ca: str, cb: str, approx: bool, ns: dict) -> bool:
+    """Runs in the worker. `expr`: the same value; `eq` / `rel`: a = c*b for a constant c != 0
+    (c > 0 for inequalities), i.e. the same equation / inequality.
+
+    Values are compared at 50 digits at random points for the free symbols (one point for
+    constants): an identity like sec^2 = tan^2 + 1 cancels to nothing sympy can resolve,
+    while `f + 10^{-30}` or `sqrt(2)*10^100 + 1` leave a resolved nonzero difference."""
+    import random
+
+    import mpmath
+    import sympy
+
+    a, b = eval(ca, ns), eval(cb, ns)  # noqa: S307 - code comes from _Tex, never from the input
+    if any(x.has(sympy.oo, -sympy.oo, sympy.zoo, sympy.nan) for x in (a, b)):
+        return False  # undefined or infinite (`\ln 0 + 1`): equal to nothing (`\infty` matches as a string)
+    if mode == "expr" and (a == b or a - b == 0):
+        return True
+    syms = sorted(a.free_symbols | b.free_symbols, key=str)
+    if mode == "expr" and not syms and all(p.is_Rational for p in a.as_real_imag() + b.as_real_imag()):
+        return False  # exact (complex) rationals that differ: a decimal could write them exactly
+    diff = a - b if mode == "expr" else None
+    rng, agree, ratio = random.Random(1234), 0, None
+
+    tiny = mpmath.mpf("1e-40")
+
+    def at(e, point, digits=50):
+        """(value, resolved, nonzero) at 50 digits, as an mpmath complex (no overflow to inf).
+        sympy returns a full-precision Float for a part it resolved, and a 1-bit "0.e-159"
+        for a part that cancelled beyond what it could resolve (a zero, in practice)."""
+        try:
+            parts = e.evalf(digits, subs=point).as_real_imag()
+            z = mpmath.mpc(*(mpmath.mpf(sympy.Float(p, 50)._mpf_) for p in parts))
+        except (TypeError, ValueError, AttributeError, ZeroDivisionError):
+            return None, False, False
+        if not mpmath.isfinite(z):
+            return None, False, False
+        full = [p.is_Float and p._prec >= min(100, 3 * digits) for p in parts]
+        resolved = all(f or p == 0 or abs(mpmath.mpf(sympy.Float(p, 50)._mpf_)) <= tiny * abs(z) for f, p in zip(full, parts))
+        return z, resolved, any(f and p != 0 for f, p in zip(full, parts))
+
+    with mpmath.workdps(60):
+        for _ in range(8 if syms else 1):  # random points away from 0 and small integers
+            if agree == 4:
+                break
+            point = {x: sympy.Float(rng.choice((-1, 1)) * rng.uniform(0.3, 2.2), 50) for x in syms}
+            if mode == "expr":
+                d, _, nonzero = at(diff, point)
+                if d is None:
+                    continue
+                if nonzero:  # a resolved nonzero difference, however small or large
+                    (va, _, _), (vb, _, _) = at(a, point, 15), at(b, point, 15)
+                    if va is None or vb is None:
+                        continue
+                    # a decimal stands for an irrational constant when it agrees to 6 places
+                    return not syms and approx and abs(d) <= 5e-7 and abs(d) <= 1e-4 * max(abs(va), abs(vb))
+                if d != 0:  # unresolved: a zero only if tiny next to the values themselves
+                    (va, _, _), (vb, _, _) = at(a, point, 15), at(b, point, 15)
+                    if va is None or vb is None or abs(d) > tiny * max(1, abs(va), abs(vb)):
+                        continue  # could not tell at this point
+                agree += 1
+                continue
+            (va, oka, _), (vb, okb, _) = at(a, point), at(b, point)
+            if va is None or vb is None or not (oka and okb):
+                continue
+            if abs(va) < tiny or abs(vb) < tiny:
+                if max(abs(va), abs(vb)) > tiny:
+                    return False  # one side vanishes where the other does not
+                continue
+            r = va / vb
+            ratio = r if ratio is None else ratio
+            if abs(r - ratio) > tiny * abs(ratio) or (mode == "rel" and (abs(r.imag) > tiny or r.real <= 0)):
+                return False
+            agree += 1
+    if agree >= (3 if syms else 1):
+        return True
+    return mode == "expr" and sympy.simplify(diff) == 0
+
+
+def _worker_main() -> None:
+    """Loop of the worker process: one JSON request per line, one answer per line."""
+    import resource
+    import signal
+
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, WORKER_MEMORY))
+    except (ValueError, OSError):
+        pass
+    import sympy
+
+    names = ("Integer Rational Symbol sqrt root pi E I oo Abs floor ceiling factorial binomial "
+             "sin cos tan cot sec csc asin acos atan sinh cosh tanh log exp")
+    ns = {"__builtins__": {}} | {n: getattr(sympy, n) for n in names.split()}
+
+    class Alarm(BaseException):  # BaseException: sympy's `except Exception` cannot swallow it
+        pass
+
+    def on_alarm(*_):
+        raise Alarm
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    out = sys.stdout.buffer
+    out.write(b"ready\n")
+    out.flush()
+    for line in sys.stdin.buffer:
+        try:
+            req = json.loads(line)
+            signal.setitimer(signal.ITIMER_REAL, max(float(req["t"]), 0.001))
+            try:
+                reply = b"1" if _worker_compare(req["m"], req["a"], req["b"], req["x"], ns) else b"0"
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except Alarm:
+            reply = b"T"
+        except BaseException:  # noqa: BLE001 - MemoryError, RecursionError, sympy errors
+            reply = b"E"
+        out.write(reply + b"\n")
+        out.flush()
+
+
+def _stop_worker() -> None:
+    proc, _W["proc"], _W["buf"] = _W["proc"], None, b""
+    if proc is not None:
+        try:
+            proc.kill()
+            proc.wait(timeout=5)
+        except Exception:  # noqa: BLE001
+            pass
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _forget_worker_after_fork() -> None:
+    """A forked child must not share its parent's worker (or a lock held at fork time)."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    proc, _W["proc"], _W["buf"] = _W["proc"], None, b""
+    if proc is not None:
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()  # closes this child's copies of the pipes only
+            except Exception:  # noqa: BLE001
+                pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_worker_after_fork)
+atexit.register(_stop_worker)
+
+
+def _readline(deadline: float):
+    fd = _W["proc"].stdout.fileno()
+    while b"\n" not in _W["buf"]:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return None  # the worker died
+        _W["buf"] += chunk
+    line, _, _W["buf"] = _W["buf"].partition(b"\n")
+    return line
+
+
+def _request(payload: dict, ctx):
+    """Send one request to the worker (starting it if needed); None on timeout or crash.
+    Only the time spent inside the lock counts against the comparison's budget: waiting
+    for another thread's request is not this comparison's sympy work."""
+    with _LOCK:
+        if _W["proc"] is None or _W["proc"].poll() is not None:
+            _stop_worker()
+            _W["proc"] = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--worker"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+            if _readline(time.monotonic() + 120) != b"ready":  # importing sympy: not timed
+                _stop_worker()
+                return None
+        start = time.monotonic()
+        try:
+            _W["proc"].stdin.write(json.dumps(payload | {"t": ctx["left"]}).encode() + b"\n")
+            _W["proc"].stdin.flush()
+            line = _readline(start + ctx["left"] + 0.5)  # the worker stops itself at t; this is the backstop
+        except OSError:
+            line = None
+        if line is None:  # no answer in time: kill it; the next request starts a fresh one
+            _stop_worker()
+        ctx["left"] -= time.monotonic() - start
+        return line
+
+
+def _ask(mode: str, ca: str, cb: str, approx: bool, ctx) -> bool:
+    key = (mode, ca, cb, approx)
+    if key in _CACHE:
+        return _CACHE[key]
+    if ctx["left"] <= 0:
+        return False
+    line = _request({"m": mode, "a": ca, "b": cb, "x": approx}, ctx)
+    if line in (b"1", b"0", b"E"):  # timeouts are not cached: they depend on the load
+        if len(_CACHE) > 50_000:
+            _CACHE.clear()
+        _CACHE[key] = line == b"1"
+    return line == b"1"
+
+
+# ---------------------------------------------------------------------------------------
+# 8. Command line
+# ---------------------------------------------------------------------------------------
+
+
+def _main(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Rule-based math answer checker.")
+    p.add_argument("response", nargs="?", help="model response (or an answer)")
+    p.add_argument("gold", nargs="?", help="gold answer")
+    p.add_argument("--jsonl", help="score a file of {response, answer[, expected]} rows")
+    p.add_argument("--strict", action="store_true", help="accept only \\boxed answers")
+    p.add_argument("--timeout", type=float, default=TIMEOUT)
+    args = p.parse_args(argv)
+    if args.jsonl:
+        rows = [json.loads(line) for line in open(args.jsonl, encoding="utf-8") if line.strip()]
+        verify("\\boxed{x+1}", "1+x")  # start the worker outside the timed loop
+        start, right, fp, fn, labelled = time.perf_counter(), 0, 0, 0, 0
+        for row in rows:
+            got = verify(row["response"], row["answer"], strict=args.strict, timeout=args.timeout)
+            if "expected" in row:
+                labelled += 1
+                right += got == row["expected"]
+                fp += got and not row["expected"]
+                fn += row["expected"] and not got
+            else:
+                right += got
+        secs = time.perf_counter() - start
+        n = labelled or len(rows)
+        name = "accuracy" if labelled else "verified"
+        print(f"{name}: {right}/{n} = {right / max(n, 1):.4f}" + (f"  false positives: {fp}  false negatives: {fn}" if labelled else ""))
+        print(f"throughput: {len(rows) / secs:.0f} responses/s ({len(rows)} in {secs:.2f} s)")
+        return 0
+    if args.response is None or args.gold is None:
+        p.print_usage()
+        return 2
+    print(f"extracted: {extract_answer(args.response, strict=args.strict)}")
+    print(f"verdict: {verify(args.response, args.gold, strict=args.strict, timeout=args.timeout)}")
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--worker"]:
+        _worker_main()
+    else:
+        sys.exit(_main(sys.argv[1:]))
