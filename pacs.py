@@ -546,8 +546,7 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device):
                   batch_prompts=cfg.gen_batch_prompts)
     roll = {k: v.to(device) for k, v in roll.items()}
     t_gen = time.time()
-    texts = tokenizer.batch_decode(roll["response_ids"] * roll["response_mask"]
-                                   + tokenizer.pad_token_id * (1 - roll["response_mask"]), skip_special_tokens=True)
+    texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
     rewards = reward_fn(texts, [p["answer"] for p in batch for _ in range(G)]).to(device)  # (B,)
     t_verify = time.time()
 
@@ -642,8 +641,7 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens, batch_prompts=32
     from verify import verify
     prompts = [build_prompt(tokenizer, p["problem"]) for p in problems]
     roll = sample(model, tokenizer, prompts, 1, max_new_tokens, greedy=True, batch_prompts=batch_prompts)
-    texts = tokenizer.batch_decode(roll["response_ids"] * roll["response_mask"]
-                                   + tokenizer.pad_token_id * (1 - roll["response_mask"]), skip_special_tokens=True)
+    texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
     return float(np.mean([verify(t, p["answer"]) for t, p in zip(texts, problems)]))
 
 
