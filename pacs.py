@@ -740,7 +740,9 @@ def train(cfg):
     eval_problems = []
     if cfg.eval_every > 0:
         eval_name = cfg.eval_dataset or DEFAULT_EVAL.get(cfg.dataset, cfg.dataset)
-        eval_problems = load_problems(eval_name, "test", cfg.data_dir, cfg.problem_key, cfg.answer_key)[:cfg.eval_size]
+        same = eval_name == cfg.dataset  # column overrides belong to the training file only
+        eval_problems = load_problems(eval_name, "test", cfg.data_dir, cfg.problem_key if same else "",
+                                      cfg.answer_key if same else "")[:cfg.eval_size]
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), fused=True)  # fused: ~6x faster step

@@ -284,3 +284,8 @@ def test_smollm2_from_gguf_trains_one_step_and_saves_a_plain_checkpoint(tmp_path
     model, tok = pacs.load_model(pacs.latest_checkpoint(str(tmp_path)))
     assert getattr(model, "hf_quantizer", None) is None and model.config.model_type == "llama"
     assert "<|im_start|>" in pacs.build_prompt(tok, "1 + 1?")  # the chat template survived the round trip
+
+
+def test_held_out_greedy_accuracy_is_logged(digit_model, const7_file, tmp_path):
+    rows = run(digit_model, const7_file, tmp_path, "--steps", "2", "--eval-every", "1", "--eval-size", "4")
+    assert all(0.0 <= r["eval_acc"] <= 1.0 for r in rows)
