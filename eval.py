@@ -154,7 +154,7 @@ def sample_batch(model, tokenizer, batch, args):
         roll = pacs.sample(model, tokenizer, prompts, G, args.max_new_tokens, args.temperature, args.top_p,
                            batch_prompts=len(prompts))
         ids, mask = roll["response_ids"].cpu(), roll["response_mask"].cpu()  # (len(batch)*G, T)
-        texts = tokenizer.batch_decode(ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)  # pacs.sample pads after the first EOS
         lengths, trunc = mask.sum(1).tolist(), roll["truncated"].tolist()
         for j in range(len(texts)):  # rows i*G..i*G+G-1 belong to prompt i
             for lst, v in zip(out[j // G], (texts[j], lengths[j], trunc[j])):

@@ -400,6 +400,7 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
 
     Returns a dict: prompt_ids (N, Lp) left-padded, prompt_mask (N, Lp), response_ids (N, T) right-padded,
     response_mask (N, T) = 1 up to and including the first EOS, truncated (N,) bool (no EOS), N = len*G.
+    Tokens after the first EOS are set to the pad id, so response_ids decode as they are.
     """
     from transformers import GenerationConfig
     from tqdm.auto import tqdm
@@ -638,11 +639,10 @@ def _autocast(cfg, device):
 
 
 def greedy_accuracy(model, tokenizer, problems, max_new_tokens, batch_prompts=32):
-    from verify import verify
     prompts = [build_prompt(tokenizer, p["problem"]) for p in problems]
     roll = sample(model, tokenizer, prompts, 1, max_new_tokens, greedy=True, batch_prompts=batch_prompts)
     texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
-    return float(np.mean([verify(t, p["answer"]) for t, p in zip(texts, problems)]))
+    return reward_fn(texts, [p["answer"] for p in problems]).double().mean().item()  # float64, as np.mean
 
 
 def tqdm_write(msg):
