@@ -9,6 +9,7 @@ split before training (the base model) and after each run.
 Run it (54 minutes measured on a quiet 2-core CPU with the defaults; finished runs are skipped on a rerun):
     python experiments/trend.py --out experiments/out
     python experiments/trend.py --out experiments/out --plot-only --figure docs/trend.png   # redraw
+    python experiments/trend.py --out experiments/out_m2 --figure docs/trend_m2.png --num-mini-batches 2  # 57 min
 
 Writes OUT/<method>-s<seed>/ (pacs.py run + eval), OUT/eval_base/, OUT/summary.md and the figure: training
 reward and token-mean entropy against step, one line per method (mean over seeds, shaded min..max).
