@@ -133,6 +133,7 @@ def run_pacs(args):
              f"{row['gen_tokens']} generated tokens, reward {m['reward']:.3f}")
     return {"side": "pacs", "steps": steps[args.warmup:], "warmup_steps": steps[:args.warmup],
             "rss_after_load_gb": rss_load, "torch_threads": torch.get_num_threads(),
+            "params": sum(p.numel() for p in model.parameters()),
             "optimizer": f"{type(opt).__name__}(fused={bool(opt.defaults.get('fused'))})"}
 
 
@@ -238,7 +239,7 @@ def run_trl(args):
     opt = getattr(opt, "optimizer", opt)
     return {"side": "trl", "steps": timer.steps[args.warmup:], "warmup_steps": timer.steps[:args.warmup],
             "rss_after_load_gb": rss_load, "torch_threads": torch.get_num_threads(),
-            "same_prompt_tokens": same_prompt_tokens,
+            "same_prompt_tokens": same_prompt_tokens, "params": sum(p.numel() for p in trainer.model.parameters()),
             "optimizer": f"{type(opt).__name__}(fused={bool(opt.defaults.get('fused'))})",
             "gradient_checkpointing": ckpt_on,
             "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
@@ -313,6 +314,9 @@ def summarise(args, rounds):
         parts = (("generate", "verify", "old_logprobs", "update", "other") if side == "pacs" else
                  ("generate", "reward", "rollout_other", "update"))
         s[side]["optimizer"] = rounds[0][side].get("optimizer")
+        # the training state neither side can avoid: fp32 weights + gradients + two AdamW moments, 16 B/param
+        s[side]["params"] = rounds[0][side].get("params")
+        s[side]["train_state_gb"] = 16 * s[side]["params"] / 2**30 if s[side]["params"] else float("nan")
         s[side]["breakdown_s"] = {k: med([st[k] for r in rounds for st in r[side]["steps"]]) for k in parts}
         if side == "trl":
             s[side]["between_steps_s"] = med([st["between_steps"] for r in rounds for st in r[side]["steps"]])
@@ -351,6 +355,8 @@ def report(s):
           f"   ({p['gen_tokens_per_step']:.0f} vs {t['gen_tokens_per_step']:.0f} tokens/step)")
     print(f"peak RSS GB     {p['peak_rss_gb']:10.3f} {t['peak_rss_gb']:10.3f} {s['rss_ratio']:10.3f}")
     print(f"RSS after load  {p['rss_after_load_gb']:10.3f} {t['rss_after_load_gb']:10.3f}")
+    print(f"train state GB  {p['train_state_gb']:10.3f} {t['train_state_gb']:10.3f}"
+          f"   (fp32 weights + grads + 2 AdamW moments = 16 B x {p['params'] / 1e6:.1f}M params)")
     ok = lambda b: "met" if b else "NOT met"  # noqa: E731
     print(f"\nbar: speed >= {BAR_SPEED}x TRL: {s['speed_ratio']:.2f}x, {ok(s['bar_speed_met'])}; "
           f"peak RSS <= {BAR_RSS}x TRL: {s['rss_ratio']:.2f}x, {ok(s['bar_rss_met'])}")
