@@ -708,6 +708,12 @@ def check_config(cfg):
         raise ConfigError("--temperature must be > 0 for sampling")
 
 
+def make_optimizer(cfg, model, fused=True):
+    """AdamW with the config's lr, betas and weight decay; fused by default (about 6x faster per step)."""
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
+
+
 def train(cfg):
     from tqdm.auto import tqdm
     check_config(cfg)
@@ -744,8 +750,7 @@ def train(cfg):
         eval_problems = load_problems(eval_name, "test", cfg.data_dir, cfg.problem_key if same else "",
                                       cfg.answer_key if same else "")[:cfg.eval_size]
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2), fused=True)  # fused: ~6x faster step
+    optimizer = make_optimizer(cfg, model)
     start = 0
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     if resume_from:

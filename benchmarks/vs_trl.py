@@ -3,7 +3,7 @@
 Both sides run the same model (fp32), the same synthetic prompts in the same order (P prompts x G
 samples per step, the user turn `problem + pacs.PROMPT_SUFFIX` in the chat template), the same
 sampling settings (temperature, top_p, top_k=0, HF `model.generate`), the same max new tokens,
-one optimizer step per rollout (torch AdamW as pacs.train builds it, unfused unless --fused-adamw;
+one optimizer step per rollout (torch AdamW as pacs.make_optimizer builds it, unfused unless --fused-adamw;
 same lr / betas / weight decay, constant lr, no grad clipping), no KL term and so no reference model,
 forward/backward in micro-batches of the same size (--micro-batch-groups groups; default: all P*G
 rows at once), no gradient checkpointing, and the reward is verify.verify on the decoded completion.
@@ -115,8 +115,7 @@ def run_pacs(args):
             return generate(*a, generation_config=generation_config, **k)
         model.generate = generate_full_length
     problems, _ = _problems(args, 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,  # as pacs.train builds it
-                            betas=(cfg.adam_beta1, cfg.adam_beta2), **({"fused": True} if args.fused_adamw else {}))
+    opt = pacs.make_optimizer(cfg, model, fused=args.fused_adamw)  # as pacs.train builds it, fused or not
     rss_load = _rss_gb()
     steps = []
     for step in range(args.warmup + args.steps):
@@ -388,7 +387,7 @@ def main(argv=None):
     ap.add_argument("--force-length", action=argparse.BooleanOptionalAction, default=True,
                     help="min_new_tokens = max_new_tokens on both sides (equal generated tokens)")
     ap.add_argument("--fused-adamw", action="store_true",
-                    help="fused torch AdamW on both sides (pacs.train uses the default, unfused, one)")
+                    help="fused torch AdamW on both sides (pacs.train always uses the fused one)")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true",
                     help="TRL with its default gradient checkpointing (pacs runs without)")
     ap.add_argument("--threads", type=int, default=0,
