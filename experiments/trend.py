@@ -84,12 +84,12 @@ def plot(args):
             evals.append(ev)
             lines.append(f"| {method} | {seed} | {np.mean(curves['reward'][-1][:3]):.3f} | "
                          f"{np.mean(curves['reward'][-1][-3:]):.3f} | {ev['1']:.3f} | {ev[str(args.eval_n)]:.3f} |")
-        r, e = np.array(curves["reward"]), np.array(curves["entropy"])  # (seeds, steps)
+        curves = {key: np.array(v) for key, v in curves.items()}  # (seeds, steps) each
+        r, e = curves["reward"], curves["entropy"]
         p1, pn = np.mean([ev["1"] for ev in evals]), np.mean([ev[str(args.eval_n)] for ev in evals])
         means.append(f"| {method} | {r[:, -3:].mean():.3f} | {e[:, :3].mean():.3f} | {e[:, -3:].mean():.3f} | "
                      f"{p1:.3f} | {pn:.3f} |")
-        for ax, key in zip(axes, curves):
-            y = np.array(curves[key])  # (seeds, steps)
+        for ax, y in zip(axes, curves.values()):
             x = np.arange(y.shape[1])
             ax.plot(x, y.mean(0), label=method)
             ax.fill_between(x, y.min(0), y.max(0), alpha=0.2)
