@@ -20,6 +20,7 @@ Every flag: python pacs.py --help.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import glob
 import hashlib
@@ -62,8 +63,8 @@ class Config:
     group_size: int = _opt(8, "G: responses sampled per prompt")
     prompts_per_step: int = _opt(128, "P: prompts per rollout batch (official: 1024 on 64 GPUs)")
     num_mini_batches: int = _opt(4, "M: optimizer steps per rollout batch (official: 1024 / 256 = 4)")
-    micro_batch_size: int = _opt(8, "rows (responses) per forward/backward; gradient accumulation bounds memory")
-    gen_batch_prompts: int = _opt(32, "prompts per generate() call (each expands to G sequences)")
+    micro_batch_size: int = _opt(0, "rows per forward/backward (a divisor or multiple of G); 0 = the memory plan's")
+    gen_batch_prompts: int = _opt(0, "prompts per generate() call (each expands to G rows); 0 = the memory plan's")
     max_prompt_tokens: int = _opt(512, "prompts longer than this are dropped, and counted (official: 512)")
     max_new_tokens: int = _opt(1024, "response length limit (official: 4096 for 7B)")
     temperature: float = _opt(1.0, "sampling temperature (also scales the training logits)")
@@ -82,8 +83,11 @@ class Config:
     resume: bool = _opt(False, "continue from the latest checkpoint in out_dir")
     log_samples_every: int = _opt(10, "print and store a few completions every N steps")
     device: str = _opt("auto", "auto | cpu | cuda")
-    bf16_weights: bool = _opt(False, "CUDA: keep weights in bf16 (default: fp32 master weights + bf16 autocast)")
-    gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
+    rollout_dtype: str = _opt("auto", "weights generate() runs on: auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
+    gradient_checkpointing: bool = _opt(False, "recompute activations in backward (prompts are then run per row)")
+    memory_gib: float = _opt(0.0, "plan memory for this many GiB instead of the device's (0 = the device's)")
+    plan_only: bool = _opt(False, "print the memory plan (needs only the model's config.json) and exit")
+    save_minutes: float = _opt(5.0, "also checkpoint when this many minutes passed since the last one (0 = off)")
 
 
 class ConfigError(Exception):
@@ -378,6 +382,21 @@ def load_model(name, device="cpu", dtype=torch.float32):
     return model.to(device), tokenizer
 
 
+def load_model_config(name):
+    """The architecture (config.json) of what load_model would load, without its weights."""
+    from transformers import AutoConfig
+    if name == "smollm2":
+        name = smollm2_gguf_path()
+    if name.endswith(".gguf"):
+        if not os.path.isfile(name):
+            raise ConfigError(f"GGUF file not found: {name}")
+        name = _gguf_to_hf_dir(name)
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load the config of model {name!r}: {str(e).splitlines()[0]}") from None
+
+
 def eos_token_ids(model, tokenizer):
     ids = {tokenizer.eos_token_id}
     gen_eos = model.generation_config.eos_token_id
@@ -393,13 +412,35 @@ def first_eos_mask(response_ids, eos_ids):
     return mask.long(), ~is_eos.any(1)
 
 
+def _generate(model, tokenizer, prompts, group_size, gen_cfg, eos, pad):
+    """One generate() call for a slice of prompts: (prompt_ids, prompt_mask, response_ids, response_mask, truncated)."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    ids = enc["input_ids"].repeat_interleave(group_size, 0)  # (n*G, Lp)
+    attn = enc["attention_mask"].repeat_interleave(group_size, 0)
+    # Prefill each prompt once and share its KV cache by its G samples (generate's num_return_sequences
+    # would prefill every copy): generate then starts from the cache and runs only the last prompt token.
+    cache = None
+    if group_size > 1 and ids.shape[1] > 1:
+        p_ids, p_attn = enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1]
+        cache = model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(1) - 1).clamp(min=0),
+                      use_cache=True, logits_to_keep=1).past_key_values
+        cache.batch_repeat_interleave(group_size)
+    out = model.generate(input_ids=ids, attention_mask=attn, past_key_values=cache,
+                         generation_config=gen_cfg)  # (n*G, Lp+T)
+    resp = out[:, ids.shape[1]:]  # (n*G, T)
+    resp_mask, truncated = first_eos_mask(resp, eos)
+    resp = torch.where(resp_mask.bool(), resp, torch.full_like(resp, pad))
+    return ids, attn, resp, resp_mask, truncated
+
+
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, temperature=1.0, top_p=1.0,
-           greedy=False, batch_prompts=32, progress=False):
+           greedy=False, batch_prompts=32, progress=False, min_new_tokens=0):
     """Generate group_size responses per prompt. Rows i*G..i*G+G-1 belong to prompt i.
 
     Returns a dict: prompt_ids (N, Lp) left-padded, prompt_mask (N, Lp), response_ids (N, T) right-padded,
     response_mask (N, T) = 1 up to and including the first EOS, truncated (N,) bool (no EOS), N = len*G.
+    batch_prompts <= 0: all prompts in one call. min_new_tokens (benchmarks) bans EOS before that length.
     Tokens after the first EOS are set to the pad id, so response_ids decode as they are.
     """
     from transformers import GenerationConfig
@@ -409,29 +450,27 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
     # A fresh GenerationConfig: the model's own defaults (top_k, repetition_penalty...) must not leak in.
     gen_cfg = GenerationConfig(do_sample=not greedy, temperature=temperature if not greedy else None,
                                top_p=top_p if not greedy else None, top_k=0 if not greedy else None,
-                               max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+                               max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                               min_new_tokens=min_new_tokens or None)  # > 0 only in benchmarks: forces lengths
     was_training = model.training
     model.eval()
-    chunks = []
-    for s in tqdm(range(0, len(prompts), batch_prompts), desc="generate", leave=False, disable=not progress):
-        enc = tokenizer(prompts[s:s + batch_prompts], return_tensors="pt", padding=True,
-                        add_special_tokens=False).to(model.device)
-        ids = enc["input_ids"].repeat_interleave(group_size, 0)  # (n*G, Lp)
-        attn = enc["attention_mask"].repeat_interleave(group_size, 0)
-        # Prefill each prompt once and share its KV cache by its G samples (generate's num_return_sequences
-        # would prefill every copy): generate then starts from the cache and runs only the last prompt token.
-        cache = None
-        if group_size > 1 and ids.shape[1] > 1:
-            p_ids, p_attn = enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1]
-            cache = model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(1) - 1).clamp(min=0),
-                          use_cache=True, logits_to_keep=1).past_key_values
-            cache.batch_repeat_interleave(group_size)
-        out = model.generate(input_ids=ids, attention_mask=attn, past_key_values=cache,
-                             generation_config=gen_cfg)  # (n*G, Lp+T)
-        resp = out[:, ids.shape[1]:]  # (n*G, T)
-        resp_mask, truncated = first_eos_mask(resp, eos)
-        resp = torch.where(resp_mask.bool(), resp, torch.full_like(resp, pad))
-        chunks.append((ids, attn, resp, resp_mask, truncated))
+    chunks, s, n = [], 0, batch_prompts if batch_prompts > 0 else len(prompts)
+    bar = tqdm(total=len(prompts), desc="generate", leave=False, disable=not progress)
+    while s < len(prompts):
+        try:
+            chunks.append(_generate(model, tokenizer, prompts[s:s + n], group_size, gen_cfg, eos, pad))
+        except torch.OutOfMemoryError as e:  # halve the generate batch for the rest of this call, and retry
+            if n == 1:
+                raise ConfigError(f"out of memory generating one prompt's {group_size} responses: lower "
+                                  f"--max-new-tokens or --group-size ({str(e).splitlines()[0]})") from None
+            n = max(1, n // 2)
+            tqdm_write(f"[memory] out of memory in generate: {n} prompts per call from now on in this call")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
+        bar.update(min(n, len(prompts) - s))
+        s += n
+    bar.close()
     model.train(was_training)
     Lp, T = max(c[0].shape[1] for c in chunks), max(c[2].shape[1] for c in chunks)
     return {  # pad every chunk to common widths: prompts on the left, responses on the right
@@ -443,25 +482,32 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
     }
 
 
-def _chunk_logprobs(logits, targets, temperature):  # (b, t, V), (b, t) -> (b, t)
-    logits = logits.float()  # fp32 for the softmax, one chunk at a time (no copy when already fp32)
+LOGITS_CHUNK = 1024  # response tokens per LM-head + log-softmax chunk: bounds the logits' memory
+
+
+def _token_logprobs(lm_head, hidden, targets, temperature):  # (n, H), (n,) -> (n,)
+    # log pi(target) = logit(target)/tau - logsumexp(logits/tau): the LM head runs here, on n tokens only, so
+    # the (n, V) logits exist one chunk at a time (in fp32 for the softmax), never for the whole micro-batch
+    logits = lm_head(hidden).float()  # (n, V)
     logits = logits / temperature if temperature != 1.0 else logits
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
 @torch.no_grad()
-def _chunk_entropy(logits, temperature):  # (b, t, V) -> (b, t), a metric: never differentiated
-    logits = logits.float()
+def _token_entropy(lm_head, hidden, temperature):  # (n, H) -> (n,), a metric: never differentiated
+    logits = lm_head(hidden).float()
     logits = logits / temperature if temperature != 1.0 else logits
     return logits.logsumexp(-1) - (torch.softmax(logits, -1) * logits).sum(-1)  # H = log Z - E_p[logit]
 
 
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0,
-                      with_entropy=False, group_size=1, chunk=256):
+                      with_entropy=False, group_size=1, chunk=LOGITS_CHUNK):
     """Per-token log pi(response | prompt) (b, T) from temperature-scaled logits, and optionally the
-    per-token entropy (b, T). With group_size G > 1, rows i*G..i*G+G-1 must share their prompt: it is run
-    once per group and its keys/values are shared by the G responses (see below). The fp32 log-softmax runs
-    over `chunk` positions at a time and, when grad is on, is recomputed in backward."""
+    per-token entropy (b, T); both are 0 where response_mask is 0. With group_size G > 1, rows
+    i*G..i*G+G-1 must share their prompt: it is run once per group and its keys/values are shared by the G
+    responses (see below). The decoder gives hidden states; the LM head and the fp32 log-softmax then run
+    over `chunk` response tokens at a time and, when grad is on, are recomputed in backward: the logits of a
+    micro-batch (b x T x 151,936 for Qwen) and their gradient never exist in full."""
     from torch.utils.checkpoint import checkpoint
     # trim columns that are padding in every row: less work, same numbers for the real tokens
     keep_p = prompt_mask.any(0).nonzero()
@@ -471,42 +517,46 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     prompt_ids, prompt_mask = prompt_ids[:, lp0:], prompt_mask[:, lp0:]  # (b, Lp)
     attn = torch.cat([prompt_mask, response_mask[:, :T]], 1)  # (b, Lp + T)
     position_ids = (attn.cumsum(1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
+    decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
+    Lp = prompt_ids.shape[1]
     # activation checkpointing drops the KV cache in training mode, so the shared-prompt path cannot run under it
     checkpointing = model.training and getattr(model, "is_activation_checkpointing", False)
     if group_size == 1 or checkpointing:
         ids = torch.cat([prompt_ids, response_ids[:, :T]], 1)
-        blocks = [model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False,
-                        logits_to_keep=T + 1).logits[:, :-1]]  # (b, T, V): position t predicts response token t
+        hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=position_ids,
+                         use_cache=False).last_hidden_state[:, Lp - 1:-1]  # (b, T, H): position Lp-1+t predicts token t
     else:
         # Shared prompt: one forward over the b/G distinct prompts (with grad), its KV cache repeated G times
         # for the responses. repeat_interleave is differentiable, so the prompt's activations receive the
         # sum of its G responses' gradients: the same gradient as G full forwards, without computing the
         # prompt G times (prompts are often longer than responses).
-        Lp = prompt_ids.shape[1]
-        out = model(input_ids=prompt_ids[::group_size], attention_mask=prompt_mask[::group_size],
-                    position_ids=position_ids[::group_size, :Lp], use_cache=True, logits_to_keep=1)
-        blocks = [out.logits.repeat_interleave(group_size, 0)]  # (b, 1, V): predicts response token 0
+        out = decoder(input_ids=prompt_ids[::group_size], attention_mask=prompt_mask[::group_size],
+                      position_ids=position_ids[::group_size, :Lp], use_cache=True)
+        hidden = [out.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)]  # (b, 1, H): predicts token 0
         if T > 1:
             cache = out.past_key_values
             cache.batch_repeat_interleave(group_size)
-            blocks.append(model(input_ids=response_ids[:, :T - 1], attention_mask=attn[:, :Lp + T - 1],
-                                position_ids=position_ids[:, Lp:Lp + T - 1], past_key_values=cache,
-                                use_cache=True).logits)  # (b, T-1, V): predicts response tokens 1..T-1
-    logprobs, entropy, t0 = [], [], 0
-    for logits in blocks:  # never concatenated: (b, T, V) logits are the largest tensor here
-        for s in range(0, logits.shape[1], chunk):
-            lg = logits[:, s:s + chunk]
-            tg = response_ids[:, t0 + s:t0 + s + lg.shape[1]]
-            if torch.is_grad_enabled():  # recompute the fp32 softmax in backward instead of storing it
-                logprobs.append(checkpoint(_chunk_logprobs, lg, tg, temperature, use_reentrant=False))
-            else:
-                logprobs.append(_chunk_logprobs(lg, tg, temperature))
-            if with_entropy:
-                entropy.append(_chunk_entropy(lg, temperature))
-        t0 += logits.shape[1]
-    pad_T = (0, response_ids.shape[1] - T)
-    logprobs = F.pad(torch.cat(logprobs, 1), pad_T)  # (b, T_full)
-    entropy = F.pad(torch.cat(entropy, 1), pad_T) if with_entropy else None
+            hidden.append(decoder(input_ids=response_ids[:, :T - 1], attention_mask=attn[:, :Lp + T - 1],
+                                  position_ids=position_ids[:, Lp:Lp + T - 1], past_key_values=cache,
+                                  use_cache=True).last_hidden_state)  # (b, T-1, H): predicts tokens 1..T-1
+        hidden = torch.cat(hidden, 1)  # (b, T, H)
+    # only the n real response tokens go through the LM head: padding after the first EOS costs nothing
+    keep = response_mask[:, :T].bool()  # (b, T)
+    hidden, targets = hidden[keep], response_ids[:, :T][keep]  # (n, H), (n,)
+    logprobs, entropy = [], []
+    for s in range(0, len(targets), chunk):
+        h, tg = hidden[s:s + chunk], targets[s:s + chunk]
+        if torch.is_grad_enabled():  # recompute the chunk's logits in backward instead of storing them
+            logprobs.append(checkpoint(_token_logprobs, lm_head, h, tg, temperature, use_reentrant=False))
+        else:
+            logprobs.append(_token_logprobs(lm_head, h, tg, temperature))
+        if with_entropy:
+            entropy.append(_token_entropy(lm_head, h, temperature))
+    zeros = torch.zeros(response_ids.shape, dtype=torch.float32, device=response_ids.device)  # (b, T_full)
+    full_keep = F.pad(keep, (0, response_ids.shape[1] - T))  # (b, T_full)
+    # scatter the n values back to their (row, position), zeros elsewhere; differentiable in the values
+    logprobs = zeros.masked_scatter(full_keep, torch.cat(logprobs)) if logprobs else zeros
+    entropy = (zeros.masked_scatter(full_keep, torch.cat(entropy)) if entropy else zeros) if with_entropy else None
     return logprobs, entropy
 
 
@@ -538,61 +588,144 @@ def batch_indices(step, n_problems, per_step, seed):
     return out
 
 
-def train_step(cfg, model, tokenizer, optimizer, problems, step, device):
-    G, P = cfg.group_size, cfg.prompts_per_step
+def _micro_slices(rows, size):
+    """Consecutive slices of `size` rows covering the slice `rows`."""
+    return [slice(s, min(s + size, rows.stop)) for s in range(rows.start, rows.stop, size)]
+
+
+def _loss_share(cfg, mask, sl, mini):
+    """A micro-batch's weight in its mini-batch's loss, so that the accumulated gradient is the mini-batch's
+    whatever the micro-batch size: PACS averages over responses, the baselines over tokens (token-mean)."""
+    if cfg.algo == "pacs":
+        return (sl.stop - sl.start) / (mini.stop - mini.start)
+    return mask[sl].sum() / mask[mini].sum().clamp(min=1)  # a tensor: no host sync
+
+
+def accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini, first, device):
+    """Forward/backward of one mini-batch (the rows `mini`, whole groups) in micro-batches of
+    cfg.micro_batch_size rows; gradients accumulate in .grad. On the first mini-batch (pi_theta == pi_old)
+    it also fills old_logprobs[mini]. Returns (loss, psi or None, entropy sum), tensors."""
+    G, mb, autocast = cfg.group_size, cfg.micro_batch_size, _autocast(device)
+    rows = lambda sl: [roll[k][sl] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    total, psis, entropy = 0.0, [], torch.zeros((), device=device)
+    if mb % G == 0:
+        # whole groups in each micro-batch: each micro-batch's loss is computed and backpropagated directly
+        for sl in _micro_slices(mini, mb):
+            with autocast:
+                lp, ent = response_logprobs(model, *rows(sl), cfg.temperature, with_entropy=first, group_size=G)
+            if first:  # its own detached log-probs are pi_old's: psi == 0 bit for bit, and no extra pass
+                old_logprobs[sl] = lp.detach()
+                entropy = entropy + (ent * mask[sl]).sum()
+            loss = algo_loss(cfg, lp, old_logprobs[sl], mask[sl], rewards[sl]) * _loss_share(cfg, mask, sl, mini)
+            loss.backward()
+            total = total + loss.detach()
+            psis.append(pacs_score(lp.detach(), old_logprobs[sl], mask[sl], G, cfg.beta, cfg.estimator))
+    else:
+        # A group split over G/mb micro-batches. The loss couples a group's rows (psi centres r_hat in the
+        # group), but it depends on the weights only through the group's log-probs, so by the chain rule
+        #   grad L = sum_{k,t} dL/dlogprobs[k,t] * grad logprobs[k,t]
+        # 1) the group's log-probs at the current weights, no grad (mb rows at a time);
+        # 2) L and dL/dlogprobs (G, T) on that detached copy, the whole group at once;
+        # 3) backpropagate dL/dlogprobs through the model mb rows at a time (one more forward per row).
+        for g in _micro_slices(mini, G):
+            with torch.no_grad(), autocast:
+                parts = [response_logprobs(model, *rows(sl), cfg.temperature, with_entropy=first, group_size=mb)
+                         for sl in _micro_slices(g, mb)]
+            lp = torch.cat([p[0] for p in parts]).requires_grad_()  # (G, T), a leaf
+            if first:
+                old_logprobs[g] = lp.detach()
+                entropy = entropy + (torch.cat([p[1] for p in parts]) * mask[g]).sum()
+            loss = algo_loss(cfg, lp, old_logprobs[g], mask[g], rewards[g]) * _loss_share(cfg, mask, g, mini)
+            (dlogprobs,) = torch.autograd.grad(loss, lp)  # (G, T)
+            for sl in _micro_slices(g, mb):
+                with autocast:
+                    lp_rows, _ = response_logprobs(model, *rows(sl), cfg.temperature, group_size=mb)
+                lp_rows.backward(dlogprobs[sl.start - g.start:sl.stop - g.start])
+            total = total + loss.detach()
+            psis.append(pacs_score(lp.detach(), old_logprobs[g], mask[g], G, cfg.beta, cfg.estimator))
+    psi = torch.cat(psis) if cfg.algo == "pacs" else None
+    return total, psi, entropy
+
+
+def valid_micro_batch_sizes(cfg):
+    """Micro-batch sizes (rows) the schedule allows: divisors of G (a group split), and multiples of G that
+    divide a mini-batch (whole groups)."""
+    G, rows_per_mini = cfg.group_size, cfg.prompts_per_step // cfg.num_mini_batches * cfg.group_size
+    return sorted({d for d in range(1, G + 1) if G % d == 0} |
+                  {m for m in range(G, rows_per_mini + 1, G) if rows_per_mini % m == 0})
+
+
+def _retry_smaller(cfg, what, error):
+    """After an out-of-memory error: halve --micro-batch-size (to the next allowed size), logged."""
+    smaller = [s for s in valid_micro_batch_sizes(cfg) if s <= cfg.micro_batch_size // 2]
+    if not smaller:
+        raise ConfigError(f"out of memory in {what} with --micro-batch-size {cfg.micro_batch_size}: lower "
+                          f"--max-new-tokens or use --gradient-checkpointing ({str(error).splitlines()[0]})")
+    tqdm_write(f"[memory] out of memory in {what}: --micro-batch-size {cfg.micro_batch_size} -> {smaller[-1]}")
+    cfg.micro_batch_size = smaller[-1]
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model=None):
+    """One PACS step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: the weights
+    generate() runs with (a bf16 copy on CUDA, refreshed by the caller after each step); default: model."""
+    G, P, M = cfg.group_size, cfg.prompts_per_step, cfg.num_mini_batches
     t0 = time.time()
     batch = [problems[i] for i in batch_indices(step, len(problems), P, cfg.seed)]
     prompts = [build_prompt(tokenizer, p["problem"]) for p in batch]
-    roll = sample(model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+    # ---- 1. sample G responses per prompt from pi_old --------------------------------------------------
+    roll = sample(rollout_model or model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
                   batch_prompts=cfg.gen_batch_prompts)
     roll = {k: v.to(device) for k, v in roll.items()}
     t_gen = time.time()
+    # ---- 2. verify: R in {0, 1} -------------------------------------------------------------------------
     texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
     rewards = reward_fn(texts, [p["answer"] for p in batch for _ in range(G)]).to(device)  # (B,)
     t_verify = time.time()
 
-    # old_logprobs: the rollout policy's log-probs, recomputed by the training model from the same
-    # temperature-scaled logits the loss uses (not generate's scores), micro-batch by micro-batch.
-    # Mini-batch 0 is trained before any update, i.e. at pi_old itself: its old_logprobs are the detached
-    # log-probs of its own training forward (no second pass, and psi is exactly 0 there, bit for bit).
-    # Only the later mini-batches need a separate no-grad pass now, before the weights move.
-    B, mb = P * G, cfg.micro_batch_size
-    rows_per_mini = B // cfg.num_mini_batches
-    micro = [slice(s, s + mb) for s in range(0, B, mb)]
-    per_mini = rows_per_mini // mb
-    autocast = _autocast(cfg, device)
-    old_logprobs = torch.zeros_like(roll["response_mask"], dtype=torch.float32)  # (B, T)
+    # ---- 3. old_logprobs: pi_old's log-probs of the sampled tokens -------------------------------------
+    # Recomputed by the training model from the same temperature-scaled logits the loss uses (not generate's
+    # scores). Mini-batch 0 is trained before any update, i.e. at pi_old itself: its old_logprobs are the
+    # detached log-probs of its own training forward (no extra pass, and psi is exactly 0 there, bit for bit).
+    # Only the later mini-batches need a no-grad pass now, before the weights move.
+    B = P * G
+    rows_per_mini = B // M
     mask = roll["response_mask"].float()  # (B, T)
-    entropy_sum = 0.0
-    with torch.no_grad(), autocast:
-        for sl in micro[per_mini:]:
-            lp, ent = response_logprobs(model, roll["prompt_ids"][sl], roll["prompt_mask"][sl],
-                                        roll["response_ids"][sl], roll["response_mask"][sl], cfg.temperature, True, G)
-            old_logprobs[sl] = lp
-            entropy_sum += (ent * mask[sl]).sum().item()
+    old_logprobs = torch.zeros_like(mask)  # (B, T)
+    entropy_sum = torch.zeros((), device=device)
+    while True:
+        try:
+            with torch.no_grad(), _autocast(device):
+                mb = cfg.micro_batch_size
+                for sl in _micro_slices(slice(rows_per_mini, B), mb):
+                    lp, ent = response_logprobs(model, roll["prompt_ids"][sl], roll["prompt_mask"][sl],
+                                                roll["response_ids"][sl], roll["response_mask"][sl], cfg.temperature,
+                                                with_entropy=True, group_size=min(G, mb))
+                    old_logprobs[sl] = lp
+                    entropy_sum += (ent * mask[sl]).sum()
+            break
+        except torch.OutOfMemoryError as e:
+            entropy_sum.zero_()
+            _retry_smaller(cfg, f"step {step}: old log-probs", e)
     t_old = time.time()
 
-    # M optimizer steps per rollout, each on a mini-batch of whole groups; micro-batches accumulate.
+    # ---- 4. M optimizer steps per rollout, each on a mini-batch of whole groups ------------------------
     model.train()
     losses, grad_norms, skipped, psis = [], [], 0, []
-    for m in range(cfg.num_mini_batches):
-        optimizer.zero_grad(set_to_none=True)
-        mini_loss = 0.0
-        for sl in micro[m * per_mini:(m + 1) * per_mini]:
-            with autocast:
-                lp, ent = response_logprobs(model, roll["prompt_ids"][sl], roll["prompt_mask"][sl],
-                                            roll["response_ids"][sl], roll["response_mask"][sl], cfg.temperature,
-                                            with_entropy=m == 0, group_size=G)
-            if m == 0:
-                old_logprobs[sl] = lp.detach()
-                entropy_sum += (ent * mask[sl]).sum().item()
-            # loss = mean over the mini-batch's rows: each micro-batch weighs by its share of rows
-            loss = algo_loss(cfg, lp, old_logprobs[sl], mask[sl], rewards[sl]) * (mb / rows_per_mini)
-            loss.backward()
-            mini_loss += loss.item()
-            if cfg.algo == "pacs":
-                psis.append(pacs_score(lp.detach(), old_logprobs[sl], mask[sl], G, cfg.beta, cfg.estimator))
+    for m in range(M):
+        mini = slice(m * rows_per_mini, (m + 1) * rows_per_mini)
+        while True:
+            optimizer.zero_grad(set_to_none=True)
+            try:
+                loss, psi, ent = accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini,
+                                                       first=m == 0, device=device)
+                break
+            except torch.OutOfMemoryError as e:  # partial gradients are dropped; the mini-batch is redone
+                _retry_smaller(cfg, f"step {step}: mini-batch {m}", e)
+        entropy_sum += ent
         grads = [p.grad for p in model.parameters() if p.grad is not None]
+        # the one host sync per mini-batch: the skip decision needs the norm's value
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
         if not math.isfinite(grad_norm):  # a non-finite step is skipped, never applied
             skipped += 1
@@ -601,39 +734,47 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device):
             if cfg.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             optimizer.step()
-        losses.append(mini_loss)
+        losses.append(loss)
         grad_norms.append(grad_norm)
+        if psi is not None:
+            psis.append(psi)
     optimizer.zero_grad(set_to_none=True)
     model.eval()
     t_end = time.time()
 
-    groups = rewards.view(-1, G)
-    n_tok = mask.sum().item()
-    psi = torch.cat(psis) if psis else None
-    metrics = {
-        "step": step,
-        "reward": rewards.mean().item(),
-        "mixed_groups": ((groups.min(1).values < groups.max(1).values).float().mean().item()),
-        "response_len": mask.sum(1).mean().item(),
-        "truncated": roll["truncated"].float().mean().item(),
-        "entropy": entropy_sum / max(n_tok, 1),  # token mean, under the sampling policy
-        "loss": float(np.mean(losses)),
-        "psi_mean": psi.mean().item() if psi is not None else None,
-        "psi_std": psi.std().item() if psi is not None else None,
-        "sigma_psi": torch.sigmoid(psi).mean().item() if psi is not None else None,
-        "grad_norm": float(np.mean(grad_norms)),
-        "skipped": skipped,
-        "time_generate": t_gen - t0, "time_verify": t_verify - t_gen, "time_old_logprobs": t_old - t_verify,
-        "time_update": t_end - t_old, "step_time": t_end - t0,
-        "samples_per_s": B / (t_end - t0),
-    }
+    # ---- 5. metrics ---------------------------------------------------------------------------------------
+    metrics = step_metrics(step, roll, rewards, mask, G, entropy_sum, losses, grad_norms, skipped,
+                           torch.cat(psis) if psis else None)
+    metrics.update({"micro_batch_size": cfg.micro_batch_size,
+                    "time_generate": t_gen - t0, "time_verify": t_verify - t_gen, "time_old_logprobs": t_old - t_verify,
+                    "time_update": t_end - t_old, "step_time": t_end - t0, "samples_per_s": B / (t_end - t0)})
     examples = [{"problem": batch[i // G]["problem"], "answer": batch[i // G]["answer"], "response": texts[i],
                  "reward": rewards[i].item()} for i in range(0, B, max(1, B // 4))][:4]
     return metrics, examples
 
 
-def _autocast(cfg, device):
-    if device.type == "cuda" and not cfg.bf16_weights:
+def step_metrics(step, roll, rewards, mask, group_size, entropy_sum, losses, grad_norms, skipped, psi):
+    """The logged numbers of a step (host values)."""
+    groups = rewards.view(-1, group_size)
+    n_tok = mask.sum().item()
+    return {
+        "step": step,
+        "reward": rewards.mean().item(),
+        "mixed_groups": ((groups.min(1).values < groups.max(1).values).float().mean().item()),
+        "response_len": mask.sum(1).mean().item(),
+        "truncated": roll["truncated"].float().mean().item(),
+        "entropy": entropy_sum.item() / max(n_tok, 1),  # token mean, under the sampling policy
+        "loss": float(np.mean([float(x) for x in losses])),
+        "psi_mean": psi.mean().item() if psi is not None else None,
+        "psi_std": psi.std().item() if psi is not None else None,
+        "sigma_psi": torch.sigmoid(psi).mean().item() if psi is not None else None,
+        "grad_norm": float(np.mean(grad_norms)),
+        "skipped": skipped,
+    }
+
+
+def _autocast(device):
+    if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)  # fp32 master weights, bf16 matmuls
     return torch.autocast(device.type, enabled=False)
 
@@ -648,6 +789,134 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens, batch_prompts=32
 def tqdm_write(msg):
     from tqdm.auto import tqdm
     tqdm.write(msg)
+
+
+# ---- memory plan: what one step holds at its peak, predicted before the first step ------------------------
+GiB = 2 ** 30
+
+
+def _activation_bytes_per_token(c, a, checkpointing=False):
+    """Bytes autograd keeps for backward per token of a Llama/Qwen2-style decoder, counted op by op from
+    transformers' Qwen2 layer with SDPA attention (a = 2: bf16 autocast, 4: fp32). Against torch's own saved
+    tensors at the Qwen2.5-0.5B shape: 122.6 vs 118.5 KB/token/layer in fp32, 76.5 vs 73.9 under autocast."""
+    H, I, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    qd = c.num_attention_heads * (getattr(c, "head_dim", None) or H // c.num_attention_heads)
+    layer = (16 * H                          # two RMSNorms, in fp32: input and normalised input
+             + (3 if a == 2 else 1) * a * H  # q/k/v input (autocast casts it once per projection)
+             + 4 * a * qd                    # q, k and v repeated to every head, attention output (SDPA)
+             + a * qd                        # o_proj input
+             + (2 if a == 2 else 1) * a * H  # gate/up input
+             + 4 * a * I)                    # gate, SiLU, up, their product
+    outside = 16 * H                         # embedding output, final norm, hidden states fed to the LM head
+    if checkpointing:  # HF checkpointing keeps each layer's (fp32) input and recomputes one layer at a time
+        return L * 4 * H + layer + outside
+    return L * layer + outside
+
+
+def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_prompts):
+    """Predicted bytes of each part of a step's peak, for model config c with n_params parameters."""
+    a = 2 if device_type == "cuda" else 4  # bytes of an activation: bf16 autocast on CUDA, fp32 on CPU
+    a_roll = 2 if _rollout_dtype(cfg, device_type) == torch.bfloat16 else 4
+    G, Lp, T, V, H = cfg.group_size, cfg.max_prompt_tokens, cfg.max_new_tokens, c.vocab_size, c.hidden_size
+    kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * (
+        getattr(c, "head_dim", None) or H // c.num_attention_heads) * a_roll
+    gen_rows = gen_batch_prompts * G
+    mb = micro_batch_size
+    # tokens one micro-batch runs: its distinct prompts once (shared KV cache), each response once
+    tokens = (mb * (Lp + T) if cfg.gradient_checkpointing else -(-mb // G) * Lp + mb * T)
+    parts = {
+        "weights (fp32)": 4 * n_params,
+        "AdamW moments (fp32)": 8 * n_params,
+        "rollout copy": 2 * n_params if a_roll == 2 and device_type == "cuda" else 0,
+        # generate phase
+        "KV cache of one generate call": gen_rows * (Lp + T) * kv_per_token,
+        "generate: sampling logits": gen_rows * V * 4 * 3,  # fp32 logits, processed logits, probabilities
+        "generate: prefill": gen_batch_prompts * Lp * 3 * a_roll * c.intermediate_size,  # one layer's MLP at a time
+        # update phase
+        "gradients (fp32)": 4 * n_params,
+        "bf16 weight casts": 2 * (n_params - V * H) if a == 2 else 0,  # autocast's copies, held until backward
+        "activations of a micro-batch": tokens * _activation_bytes_per_token(c, a, cfg.gradient_checkpointing),
+        # logits, their fp32 copy and softmax, its gradient; the bf16 cast of the LM head on CUDA
+        "logits chunk": min(LOGITS_CHUNK, mb * T) * V * (a + 12) + (2 * V * H if a == 2 else 0),
+    }
+    always = parts["weights (fp32)"] + parts["AdamW moments (fp32)"] + parts["rollout copy"]
+    parts["peak: generate"] = always + sum(v for k, v in parts.items() if k.startswith(("KV", "generate")))
+    parts["peak: update"] = always + sum(parts[k] for k in ("gradients (fp32)", "bf16 weight casts",
+                                                            "activations of a micro-batch", "logits chunk"))
+    parts["peak"] = max(parts["peak: generate"], parts["peak: update"])
+    return parts
+
+
+def _rollout_dtype(cfg, device_type):
+    if cfg.rollout_dtype == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.rollout_dtype]
+
+
+def device_memory(device_type, memory_gib=0.0):
+    if memory_gib > 0:
+        return memory_gib * GiB
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_memory(cfg, model_config, n_params, device_type):
+    """Fill in --micro-batch-size and --gen-batch-prompts when 0 (auto: the largest that fit), refuse
+    settings that do not fit with a one-line error naming the flag, and print the plan."""
+    total = device_memory(device_type, cfg.memory_gib)
+    budget = 0.9 * total  # headroom for the CUDA context, allocator fragmentation and small tensors
+    plan = lambda mb, gb: memory_plan(cfg, model_config, n_params, device_type, mb, gb)
+    P, G = cfg.prompts_per_step, cfg.group_size
+    if cfg.gen_batch_prompts == 0:
+        fits = [d for d in range(1, P + 1) if P % d == 0 and plan(1, d)["peak: generate"] <= budget]
+        cfg.gen_batch_prompts = fits[-1] if fits else 1
+    if cfg.micro_batch_size == 0:  # whole groups when they fit (fastest), else a group split in rows
+        fits = [s for s in valid_micro_batch_sizes(cfg) if s <= G and plan(s, 1)["peak: update"] <= budget]
+        cfg.micro_batch_size = fits[-1] if fits else 1
+    parts = plan(cfg.micro_batch_size, cfg.gen_batch_prompts)
+    print(format_plan(cfg, parts, device_type, total), file=sys.stderr)
+    if parts["peak: generate"] > budget:
+        raise ConfigError(f"memory plan: generate needs {parts['peak: generate'] / GiB:.1f} GiB, over 90% of "
+                          f"{total / GiB:.1f} GiB: lower --gen-batch-prompts (now {cfg.gen_batch_prompts}) or "
+                          "--max-new-tokens")
+    if parts["peak: update"] > budget:
+        raise ConfigError(f"memory plan: the update needs {parts['peak: update'] / GiB:.1f} GiB, over 90% of "
+                          f"{total / GiB:.1f} GiB: lower --micro-batch-size (now {cfg.micro_batch_size}), "
+                          "--max-new-tokens or --max-prompt-tokens, or add --gradient-checkpointing")
+    return parts
+
+
+def format_plan(cfg, parts, device_type, total):
+    gib = lambda k: f"{parts[k] / GiB:.2f}"
+    G, Lp, T, mb = cfg.group_size, cfg.max_prompt_tokens, cfg.max_new_tokens, cfg.micro_batch_size
+    return "\n".join([
+        f"[memory] plan on {device_type} with {total / GiB:.1f} GiB (GiB; prompts {Lp} + responses {T} tokens):",
+        f"  state     weights {gib('weights (fp32)')} | AdamW {gib('AdamW moments (fp32)')} | "
+        f"rollout copy {gib('rollout copy')}",
+        f"  generate  {cfg.gen_batch_prompts} prompts x {G} per call: KV cache {gib('KV cache of one generate call')}"
+        f" | logits {gib('generate: sampling logits')} | prefill {gib('generate: prefill')}",
+        f"  update    {mb} rows per micro-batch: activations {gib('activations of a micro-batch')} | "
+        f"gradients {gib('gradients (fp32)')} | bf16 casts {gib('bf16 weight casts')} | "
+        f"logits chunk {gib('logits chunk')}",
+        f"  peak      generate {gib('peak: generate')} | update {gib('peak: update')} | "
+        f"budget {0.9 * total / GiB:.2f} (90%)",
+    ])
+
+
+def count_parameters(model_config):
+    """Parameters of the model a config describes, without allocating them (tied weights counted once)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def copy_weights(dst, src):
+    """Refresh the rollout copy (e.g. bf16) from the trained fp32 weights: same modules, cast on copy."""
+    for d, s in zip(dst.parameters(), src.parameters()):
+        d.copy_(s)
 
 
 # ---- checkpoints: HF format + optimizer/RNG/step, written to a temp dir then renamed ----------------
@@ -697,14 +966,16 @@ def check_config(cfg):
     if cfg.prompts_per_step % cfg.num_mini_batches:
         raise ConfigError(f"--prompts-per-step {cfg.prompts_per_step} is not divisible by "
                           f"--num-mini-batches {cfg.num_mini_batches} (mini-batches hold whole groups)")
-    rows_per_mini = cfg.prompts_per_step // cfg.num_mini_batches * cfg.group_size
-    if cfg.micro_batch_size < 1 or rows_per_mini % cfg.micro_batch_size or cfg.micro_batch_size % cfg.group_size:
-        raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} must be a multiple of --group-size "
-                          f"{cfg.group_size} that divides a mini-batch of {rows_per_mini} rows")
+    if cfg.micro_batch_size != 0 and cfg.micro_batch_size not in valid_micro_batch_sizes(cfg):
+        raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} must divide --group-size {cfg.group_size} or be "
+                          f"a multiple of it that divides a mini-batch of "
+                          f"{cfg.prompts_per_step // cfg.num_mini_batches * cfg.group_size} rows (0 = auto)")
+    if cfg.gen_batch_prompts < 0:
+        raise ConfigError(f"--gen-batch-prompts must be >= 0 (0 = auto), got {cfg.gen_batch_prompts}")
     for name, choices in (("algo", ("pacs", "grpo", "reinforce")), ("estimator", ("rloo", "grpo", "drgrpo", "none")),
-                          ("device", ("auto", "cpu", "cuda"))):
+                          ("device", ("auto", "cpu", "cuda")), ("rollout_dtype", ("auto", "bf16", "fp32"))):
         if getattr(cfg, name) not in choices:
-            raise ConfigError(f"--{name} {getattr(cfg, name)!r} is not one of {', '.join(choices)}")
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r} is not one of {', '.join(choices)}")
     if cfg.temperature <= 0:
         raise ConfigError("--temperature must be > 0 for sampling")
 
@@ -713,6 +984,25 @@ def make_optimizer(cfg, model, fused=True):
     """AdamW with the config's lr, betas and weight decay; fused by default (about 6x faster per step)."""
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
+
+
+def setup_model(cfg, path, device):
+    """(model, rollout_model, tokenizer): the fp32 model to train, the copy generate() runs on, and the
+    memory plan printed (it fills in --micro-batch-size / --gen-batch-prompts when they are 0)."""
+    if device.type == "cuda":  # TF32 for the fp32 matmuls that remain outside autocast
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA
+    model, tokenizer = load_model(path, device, torch.float32)
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable()
+    model.eval()
+    plan_memory(cfg, model.config, sum(p.numel() for p in model.parameters()), device.type)
+    # generate() runs on a copy in the rollout dtype (bf16 on CUDA: bf16 matmuls and a bf16 KV cache),
+    # refreshed from the fp32 weights after every step; old_logprobs still come from the training model
+    rollout_model = model
+    if _rollout_dtype(cfg, device.type) != torch.float32:
+        rollout_model = copy.deepcopy(model).to(_rollout_dtype(cfg, device.type)).eval()
+    return model, rollout_model, tokenizer
 
 
 def train(cfg):
@@ -725,15 +1015,14 @@ def train(cfg):
 
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if cfg.device == "auto" else cfg.device))
-    dtype = torch.bfloat16 if (device.type == "cuda" and cfg.bf16_weights) else torch.float32
+    if cfg.plan_only:  # the plan needs the architecture only: config.json, no weights, no device
+        model_config = load_model_config(cfg.model)
+        return plan_memory(cfg, model_config, count_parameters(model_config), device.type)
     os.makedirs(cfg.out_dir, exist_ok=True)
     resume_from = latest_checkpoint(cfg.out_dir) if cfg.resume else None
     if cfg.resume and resume_from is None:
         print(f"[resume] no checkpoint in {cfg.out_dir}: starting from step 0", file=sys.stderr)
-    model, tokenizer = load_model(resume_from or cfg.model, device, dtype)
-    if cfg.gradient_checkpointing:
-        model.activation_checkpointing_enable()
-    model.eval()
+    model, rollout_model, tokenizer = setup_model(cfg, resume_from or cfg.model, device)
 
     problems = load_problems(cfg.dataset, "train", cfg.data_dir, cfg.problem_key, cfg.answer_key)
     n_before = len(problems)
@@ -776,11 +1065,14 @@ def train(cfg):
 
     print(f"[pacs] {cfg.algo} | model {cfg.model} on {device} | {len(problems)} prompts | "
           f"{cfg.prompts_per_step} x {cfg.group_size} samples/step, {cfg.num_mini_batches} updates/step", file=sys.stderr)
+    last_save = time.time()
     for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True):
-        metrics, examples = train_step(cfg, model, tokenizer, optimizer, problems, step, device)
+        metrics, examples = train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model)
+        if rollout_model is not model:
+            copy_weights(rollout_model, model)
         last = step == cfg.steps - 1
         if eval_problems and (step % cfg.eval_every == 0 or last):
-            metrics["eval_acc"] = greedy_accuracy(model, tokenizer, eval_problems, cfg.max_new_tokens,
+            metrics["eval_acc"] = greedy_accuracy(rollout_model, tokenizer, eval_problems, cfg.max_new_tokens,
                                                   cfg.gen_batch_prompts)
         line = (f"step {step:4d} | reward {metrics['reward']:.3f} | mixed {metrics['mixed_groups']:.2f} | "
                 f"len {metrics['response_len']:.1f} | trunc {metrics['truncated']:.2f} | "
@@ -798,8 +1090,10 @@ def train(cfg):
                 f.writelines(json.dumps({"step": step, **e}) + "\n" for e in examples)
             e = examples[0]
             tqdm_write(f"  sample (R={e['reward']:.0f}, gold {e['answer']}): {e['response'][:200]!r}")
-        if (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0) or last:
+        overdue = cfg.save_minutes > 0 and time.time() - last_save >= 60 * cfg.save_minutes
+        if (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0) or overdue or last:
             save_checkpoint(cfg, model, tokenizer, optimizer, step)
+            last_save = time.time()
     return model
 
 
