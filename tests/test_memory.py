@@ -1,0 +1,224 @@
+"""The memory-bounded update (groups split across micro-batches, the LM head in chunks), out-of-memory
+retries, the bf16 rollout copy, time-based checkpoints, the memory plan and the GPU benchmark's smoke mode."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pacs
+from conftest import make_tiny_model_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN = os.path.join(ROOT, "..", "shared", "models", "qwen2.5-0.5b-instruct")
+needs_qwen = pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN, "config.json")),
+                                reason="needs ../shared/models/qwen2.5-0.5b-instruct (the project's shared folder)")
+
+
+@pytest.fixture(scope="module")
+def digit_model(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("digit_model"), chars="0123456789 +?=")
+
+
+@pytest.fixture(scope="module")
+def rollout(digit_model):
+    """A fixed rollout of 2 prompts x G=4 with mixed rewards and ragged response lengths."""
+    model, tok = pacs.load_model(digit_model)
+    torch.manual_seed(0)
+    prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 =")]
+    roll = pacs.sample(model, tok, prompts, group_size=4, max_new_tokens=6)
+    roll["response_mask"][1, 2:] = 0  # an early EOS
+    roll["response_mask"][6, 4:] = 0
+    rewards = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
+    return roll, rewards
+
+
+def grads_of_one_mini_batch(model_dir, roll, rewards, algo, micro_batch_size, first):
+    """(.grad of every parameter, loss, psi) after accumulate_mini_batch on the whole rollout (one mini-batch)."""
+    model, _ = pacs.load_model(model_dir)
+    model.train()
+    cfg = pacs.Config(group_size=4, prompts_per_step=2, num_mini_batches=1, micro_batch_size=micro_batch_size,
+                      algo=algo, temperature=0.9)
+    mask = roll["response_mask"].float()
+    old = torch.zeros_like(mask)
+    if not first:  # a pi_old that differs from the current weights: psi != 0
+        with torch.no_grad():
+            old = pacs.response_logprobs(model, roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"],
+                                         roll["response_mask"], 0.9)[0]
+        old = old + 0.05 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
+    loss, psi, _ = pacs.accumulate_mini_batch(cfg, model, roll, old, mask, rewards, slice(0, 8), first,
+                                              torch.device("cpu"))
+    return [p.grad.clone() for p in model.parameters()], loss, psi, old
+
+
+@pytest.mark.parametrize("algo", ["pacs", "grpo", "reinforce"])
+@pytest.mark.parametrize("first", [True, False])
+def test_a_group_split_across_micro_batches_gives_the_whole_group_gradient(digit_model, rollout, algo, first):
+    roll, rewards = rollout
+    whole = grads_of_one_mini_batch(digit_model, roll, rewards, algo, 8, first)
+    for mb in (2, 1):  # G=4 split in 2 and in 4 micro-batches: dL/dlogprobs first, then rows
+        split = grads_of_one_mini_batch(digit_model, roll, rewards, algo, mb, first)
+        assert split[1].item() == pytest.approx(whole[1].item(), rel=1e-5, abs=1e-7)
+        for g_whole, g_split in zip(whole[0], split[0]):
+            torch.testing.assert_close(g_split, g_whole, rtol=1e-4, atol=1e-6)
+    if algo == "pacs" and first:  # on-policy: psi is exactly 0 in the split route too, not just close
+        assert torch.equal(split[2], torch.zeros(8))
+        assert torch.count_nonzero(whole[0][0]) > 0  # mixed groups: a real gradient was compared
+    if algo == "pacs" and not first:
+        assert split[2].abs().max() > 1e-3  # the critic was on: psi != 0
+
+
+@pytest.mark.parametrize("algo", ["grpo", "reinforce"])
+def test_token_mean_baselines_do_not_depend_on_the_micro_batch_size(digit_model, rollout, algo):
+    # whole groups per micro-batch (4 rows) vs the whole mini-batch at once (8 rows): token-mean over the
+    # mini-batch either way, so the ragged lengths of the two groups must not reweight them
+    roll, rewards = rollout
+    one = grads_of_one_mini_batch(digit_model, roll, rewards, algo, 8, False)
+    two = grads_of_one_mini_batch(digit_model, roll, rewards, algo, 4, False)
+    for a, b in zip(one[0], two[0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_lm_head_never_sees_more_than_a_chunk_of_tokens(digit_model, rollout):
+    roll, _ = rollout
+    model, _ = pacs.load_model(digit_model)
+    seen = []
+    model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    lp, _ = pacs.response_logprobs(model, roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"],
+                                   roll["response_mask"], 0.9, group_size=4, chunk=5)
+    lp.sum().backward()  # backward recomputes the chunks: still at most 5 tokens each
+    n_tokens = int(roll["response_mask"].sum())
+    assert seen and all(len(s) == 2 and s[0] <= 5 for s in seen), seen
+    assert sum(s[0] for s in seen) == 2 * n_tokens  # forward + recompute, padding never through the head
+
+
+def run(model, out_dir, *extra):
+    argv = ["--model", model, "--dataset", "synthetic", "--out-dir", str(out_dir), "--group-size", "4",
+            "--prompts-per-step", "4", "--num-mini-batches", "2", "--max-new-tokens", "3", "--lr", "1e-2",
+            "--eval-every", "0", "--log-samples-every", "0", "--temperature", "1.5", *extra]
+    pacs.main(argv)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_out_of_memory_in_the_update_halves_the_micro_batch_and_loses_no_step(digit_model, tmp_path, monkeypatch,
+                                                                               capsys):
+    real = pacs.response_logprobs
+
+    def small_memory(model, prompt_ids, *a, **k):  # pretend more than 2 rows with grad do not fit
+        if torch.is_grad_enabled() and prompt_ids.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, prompt_ids, *a, **k)
+
+    reference = run(digit_model, tmp_path / "ref", "--steps", "2", "--micro-batch-size", "2")
+    monkeypatch.setattr(pacs, "response_logprobs", small_memory)
+    rows = run(digit_model, tmp_path / "oom", "--steps", "2", "--micro-batch-size", "8")
+    assert "--micro-batch-size 8 -> 4" in capsys.readouterr().out
+    assert [r["micro_batch_size"] for r in rows] == [2, 2] and [r["step"] for r in rows] == [0, 1]
+    for r, ref in zip(rows, reference):  # the retried step is the step a 2-row run computes
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5) and r["reward"] == ref["reward"]
+
+
+def test_out_of_memory_in_generate_halves_the_batch_and_keeps_every_prompt(digit_model, monkeypatch, capsys):
+    model, tok = pacs.load_model(digit_model)
+    real, calls = pacs._generate, []
+
+    def small_memory(model, tokenizer, prompts, *a):
+        calls.append(len(prompts))
+        if len(prompts) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, tokenizer, prompts, *a)
+
+    monkeypatch.setattr(pacs, "_generate", small_memory)
+    prompts = [pacs.build_prompt(tok, f"{i} + 1 =") for i in range(5)]
+    roll = pacs.sample(model, tok, prompts, group_size=2, max_new_tokens=3, batch_prompts=4)
+    assert roll["response_ids"].shape[0] == 10 and calls == [4, 2, 1, 1, 1, 1, 1]
+    assert "out of memory in generate" in capsys.readouterr().out
+
+
+def test_bf16_rollout_copy_follows_the_trained_weights(digit_model, tmp_path, monkeypatch):
+    used = []
+    real = pacs.sample
+    monkeypatch.setattr(pacs, "sample", lambda model, *a, **k: used.append(model.dtype) or real(model, *a, **k))
+    captured = {}
+    real_copy = pacs.copy_weights
+    monkeypatch.setattr(pacs, "copy_weights", lambda dst, src: (real_copy(dst, src), captured.update(dst=dst, src=src)))
+    run(digit_model, tmp_path, "--steps", "2", "--rollout-dtype", "bf16")
+    assert used == [torch.bfloat16, torch.bfloat16]  # rollouts come from the bf16 copy
+    for d, s in zip(captured["dst"].parameters(), captured["src"].parameters()):
+        assert d.dtype == torch.bfloat16 and s.dtype == torch.float32  # fp32 master weights train
+        assert torch.equal(d, s.to(torch.bfloat16))  # refreshed after the last step
+
+
+def test_checkpoints_are_also_written_by_the_clock(digit_model, tmp_path, monkeypatch):
+    saved = []
+    real = pacs.save_checkpoint
+    monkeypatch.setattr(pacs, "save_checkpoint", lambda cfg, m, t, o, step: saved.append(step) or real(cfg, m, t, o, step))
+    run(digit_model, tmp_path / "clock", "--steps", "3", "--save-every", "0", "--save-minutes", "1e-9")
+    assert saved == [0, 1, 2]
+    saved.clear()
+    run(digit_model, tmp_path / "end", "--steps", "3", "--save-every", "0", "--save-minutes", "0")
+    assert saved == [2]  # the end of the run only
+
+
+def test_micro_batch_sizes_the_schedule_allows():
+    cfg = pacs.Config(group_size=8, prompts_per_step=8, num_mini_batches=2)  # mini-batch: 4 groups, 32 rows
+    assert pacs.valid_micro_batch_sizes(cfg) == [1, 2, 4, 8, 16, 32]
+    for bad in (3, 24, 64):
+        with pytest.raises(pacs.ConfigError, match=f"--micro-batch-size {bad} must divide"):
+            pacs.check_config(pacs.Config(group_size=8, prompts_per_step=8, num_mini_batches=2, micro_batch_size=bad))
+
+
+@needs_qwen
+def test_the_plan_fits_the_default_run_on_a_24_gib_card_and_picks_more_on_bigger_ones():
+    config = pacs.load_model_config(QWEN)
+    n = pacs.count_parameters(config)
+    assert 490e6 < n < 500e6  # Qwen2.5-0.5B: ~494M parameters with tied embeddings
+    chosen = {}
+    for gib in (24, 80):
+        cfg = pacs.Config(memory_gib=gib)  # the defaults: 128 x 8, M=4, 512 + 1024 tokens
+        parts = pacs.plan_memory(cfg, config, n, "cuda")
+        assert parts["peak"] <= 22 * pacs.GiB if gib == 24 else parts["peak"] <= 0.9 * 80 * pacs.GiB
+        chosen[gib] = (cfg.micro_batch_size, cfg.gen_batch_prompts)
+    assert chosen[24][0] < chosen[80][0] == 8 and chosen[24][1] < chosen[80][1] == 128
+    # the fp32 training state alone: 16 bytes per parameter
+    assert parts["weights (fp32)"] + parts["AdamW moments (fp32)"] + parts["gradients (fp32)"] == 16 * n
+
+
+@needs_qwen
+@pytest.mark.parametrize("flag, value, needle", [("micro_batch_size", 8, "--micro-batch-size"),
+                                                  ("gen_batch_prompts", 128, "--gen-batch-prompts")])
+def test_settings_that_do_not_fit_are_refused_naming_the_flag(flag, value, needle):
+    config = pacs.load_model_config(QWEN)
+    cfg = pacs.Config(memory_gib=24, **{flag: value})
+    with pytest.raises(pacs.ConfigError, match=needle):
+        pacs.plan_memory(cfg, config, pacs.count_parameters(config), "cuda")
+
+
+@needs_qwen
+def test_plan_only_prints_the_plan_without_weights(capsys):
+    pacs.main(["--model", QWEN, "--plan-only", "--device", "cuda", "--memory-gib", "24"])
+    err = capsys.readouterr().err
+    assert "[memory] plan on cuda with 24.0 GiB" in err and "peak" in err
+    with pytest.raises(SystemExit, match="lower --micro-batch-size"):
+        pacs.main(["--model", QWEN, "--plan-only", "--device", "cuda", "--memory-gib", "8", "--micro-batch-size", "8"])
+
+
+@needs_qwen
+def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_step.py"), "--device", "cpu", "--tiny",
+                           "--prompts-per-step", "1", "--group-size", "2", "--num-mini-batches", "1",
+                           "--max-prompt-tokens", "48", "--max-new-tokens", "4", "--timed-steps", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["response_tokens"] == 4 and all(r["response_len"] == 4 for r in result["steps"])  # forced
+    for key in ("generate_s", "old_logprobs_s", "update_s", "generated_tokens_per_s", "peak_gib", "plan_gib",
+                "projected_run_h"):
+        assert result[key] > 0, key
+    assert "measured / plan" in proc.stdout and "projected 300 steps" in proc.stdout
