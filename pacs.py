@@ -412,6 +412,37 @@ def first_eos_mask(response_ids, eos_ids):
     return mask.long(), ~is_eos.any(1)
 
 
+def rollout_generation_config(max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, eos_token_id=None,
+                              pad_token_id=None, min_new_tokens=0):
+    """The GenerationConfig of every rollout (training, the in-loop greedy eval, eval.py): temperature and
+    top-p (or greedy), the length limit and the EOS/pad ids, and nothing else. Run it with `generate_exactly`.
+    min_new_tokens > 0 (benchmarks only: it bans EOS, so samples are no longer from pi) forces lengths."""
+    from transformers import GenerationConfig
+    # top_k=0: no top-k cut when sampling (transformers' own default is 50); greedy runs no warper at all
+    return GenerationConfig(do_sample=not greedy, temperature=1.0 if greedy else temperature,
+                            top_p=1.0 if greedy else top_p, top_k=None if greedy else 0,
+                            max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                            min_new_tokens=min_new_tokens or None)
+
+
+def generate_exactly(model, generation_config, **inputs):
+    """model.generate(**inputs) with generation_config and nothing inherited from the model.
+
+    transformers 5 fills every field of the given config that is None from model.generation_config
+    (`_prepare_generation_config`), and None is the "off" value of most logits processors: a checkpoint's
+    generation_config.json (Qwen2.5-Instruct: repetition_penalty 1.1, top_k 20, top_p 0.8, temperature 0.7)
+    would reach the sampler through any field left unset. Samples would then not come from pi_old, the
+    distribution response_logprobs computes and the PACS/PPO ratio is taken against. So generate runs against
+    a blank model.generation_config: the fields left unset get transformers' neutral global defaults only,
+    however many fields a future version adds. tests/test_qwen_files.py checks generate's processed scores."""
+    from transformers import GenerationConfig
+    inherited, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        return model.generate(**inputs, generation_config=generation_config)
+    finally:
+        model.generation_config = inherited
+
+
 def _generate(model, tokenizer, prompts, group_size, gen_cfg, eos, pad):
     """One generate() call for a slice of prompts: (prompt_ids, prompt_mask, response_ids, response_mask, truncated)."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
@@ -425,8 +456,8 @@ def _generate(model, tokenizer, prompts, group_size, gen_cfg, eos, pad):
         cache = model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(1) - 1).clamp(min=0),
                       use_cache=True, logits_to_keep=1).past_key_values
         cache.batch_repeat_interleave(group_size)
-    out = model.generate(input_ids=ids, attention_mask=attn, past_key_values=cache,
-                         generation_config=gen_cfg)  # (n*G, Lp+T)
+    out = generate_exactly(model, gen_cfg, input_ids=ids, attention_mask=attn,
+                           past_key_values=cache)  # (n*G, Lp+T)
     resp = out[:, ids.shape[1]:]  # (n*G, T)
     resp_mask, truncated = first_eos_mask(resp, eos)
     resp = torch.where(resp_mask.bool(), resp, torch.full_like(resp, pad))
@@ -443,15 +474,11 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
     batch_prompts <= 0: all prompts in one call. min_new_tokens (benchmarks) bans EOS before that length.
     Tokens after the first EOS are set to the pad id, so response_ids decode as they are.
     """
-    from transformers import GenerationConfig
     from tqdm.auto import tqdm
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id
-    # A fresh GenerationConfig: the model's own defaults (top_k, repetition_penalty...) must not leak in.
-    gen_cfg = GenerationConfig(do_sample=not greedy, temperature=temperature if not greedy else None,
-                               top_p=top_p if not greedy else None, top_k=0 if not greedy else None,
-                               max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                               min_new_tokens=min_new_tokens or None)  # > 0 only in benchmarks: forces lengths
+    gen_cfg = rollout_generation_config(max_new_tokens, temperature, top_p, greedy, eos, pad,
+                                        min_new_tokens)  # nothing else: samples come from pi_old
     was_training = model.training
     model.eval()
     chunks, s, n = [], 0, batch_prompts if batch_prompts > 0 else len(prompts)
