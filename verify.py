@@ -499,6 +499,8 @@ def _matrix_expr(s: str):
     k = iter(range(len(mats)))
     e = _MATRIX.sub(lambda m: f"{_PH}{next(k)}", s)
     e = re.sub(r"\(\s*(" + _PH + r"\d)\s*\)", r"\1", e).replace("\\cdot", " ").replace("\\times", " ")
+    # A small power is a product: `A^2` is `A A` (and `(A)^{3}` is `A A A`).
+    e = re.sub("(" + _PH + r"\d)\s*\^\s*\{?\s*([1-5])\s*\}?", lambda m: " ".join([m.group(1)] * int(m.group(2))), e)
     total, terms, sign = None, [], "+"
     for t in re.split(r"([+-])", e):
         if t in ("+", "-"):
@@ -1137,7 +1139,7 @@ def verify(response: str, gold: str, strict: bool = False, timeout: float = TIME
         if answer is None:
             return False
         ctx = {"left": timeout}  # one budget for all the comparisons of this response
-        if _is_equiv(answer, gold, ctx):
+        if _is_equiv(answer, gold, ctx) or _names_value(answer, gold, ctx):
             return True
         s = response[-MAX_RESPONSE:]
         if not _BOX.search(s):
@@ -1146,6 +1148,24 @@ def verify(response: str, gold: str, strict: bool = False, timeout: float = TIME
         if 1 < len(group) <= MAX_ITEMS and all(_is_equiv(p, gold, ctx) for p in group):
             return True
         return _spread_over_boxes(s, gold, ctx)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _names_value(answer: str, gold: str, ctx) -> bool:
+    """A response that states the value of an expression in names (`m + n = 25`, `a^2+b^2 = 7`,
+    `xy = 6`) answers a gold that is that value. One way only: a gold `x + y = 5` is an
+    equation (a line), which the value 5 does not answer."""
+    try:
+        a = _normalize(answer)
+        exprs, ops = _split_relation(a)
+        if len(exprs) != 2 or ops != ["="] or len(a) > MAX_ANSWER:
+            return False
+        names = re.sub(r"[_^]\{?[a-zA-Z0-9]\}?|\\cdot|[+\-*() ]", " ", exprs[0])
+        if not re.fullmatch(r"[a-zA-Z ]+", names) or not _is_constant(exprs[1]) or not exprs[1].strip():
+            return False
+        g = _parse(_normalize(gold))
+        return g is not None and g[0] not in ("eq", "assign", "rel", "record") and _is_equiv(exprs[1], gold, ctx)
     except Exception:  # noqa: BLE001
         return False
 
