@@ -17,12 +17,14 @@ mathematics, differs (`\\dfrac12` = `0.5` = `50\\%`, `x = 5` = `5`, `025` = `25`
 How a comparison runs:
 
 1. `extract_answer` takes the last `\\boxed{...}` / `\\fbox{...}` (boxes that end the
-   response side by side, `\\boxed{1}, \\boxed{2}`, are read as one list); without a box,
+   response side by side, `\\boxed{1}, \\boxed{2}`, are read as one list; `verify` also lets
+   a list gold be given box by box, see there); without a box,
    and unless `strict=True`, "the final answer is ...", "answer: ...", "#### ...",
    then the last `$...$` span or the last number, whichever comes later.
 2. `is_equiv` normalises both strings (`\\left`, spacing, `\\dfrac`, `^\\circ`, `\\%`,
-   `\\$`, units, thousands separators ...), splits structure in plain Python
-   (lists, sets, tuples, intervals, unions, matrices, equations, inequalities),
+   `\\$`, units, thousands separators, scale words ...), splits structure in plain Python
+   (lists, sets, tuples, intervals, unions, matrices and their sums and products, equations,
+   inequalities, labelled values `PQ = 3`, ratios `5:12`),
    compares plain numbers exactly with `fractions.Fraction` (the fast path), and only
    sends the remaining leaves to sympy.
 3. sympy runs in one persistent worker subprocess per process, started lazily. Each
@@ -1157,9 +1159,11 @@ def _names_value(answer: str, gold: str, ctx) -> bool:
     `xy = 6`) answers a gold that is that value. One way only: a gold `x + y = 5` is an
     equation (a line), which the value 5 does not answer."""
     try:
+        if max(len(answer), len(gold)) > MAX_ANSWER or _depth(gold) > MAX_DEPTH or "=" not in answer:
+            return False
         a = _normalize(answer)
         exprs, ops = _split_relation(a)
-        if len(exprs) != 2 or ops != ["="] or len(a) > MAX_ANSWER:
+        if len(exprs) != 2 or ops != ["="]:
             return False
         names = re.sub(r"[_^]\{?[a-zA-Z0-9]\}?|\\cdot|[+\-*() ]", " ", exprs[0])
         if not re.fullmatch(r"[a-zA-Z ]+", names) or not _is_constant(exprs[1]) or not exprs[1].strip():
@@ -1173,12 +1177,16 @@ def _names_value(answer: str, gold: str, ctx) -> bool:
 def _spread_over_boxes(s: str, gold: str, ctx) -> bool:
     """Do the response's boxes, k distinct ones in all, form a gold list of k > 1 answers?
     (A response that also boxes anything else, a candidate or a step, is not read this way.)"""
+    if len(gold) > MAX_ANSWER or _depth(gold) > MAX_DEPTH:
+        return False
     node = _parse(_normalize(gold))
     k = len(node[1]) if node and node[0] in ("set", "record") else 0
     if not 1 < k <= MAX_ITEMS:
         return False
     seen = {}
     for _, _, content in _boxes(s):
+        if len(content) > MAX_ANSWER:
+            return False  # too big to be one of the answers
         seen.setdefault(_squash(_normalize(content)), content.strip())
         if len(seen) > k:
             return False
