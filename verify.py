@@ -452,6 +452,9 @@ def _relation(s: str):
         return None
     # A one-variable inequality is the interval it describes: `-2 \le x < 7` is `[-2, 7)`.
     names = [i for i, e in enumerate(exprs) if _is_name(e)]
+    if ops == ["\\ne"] and len(names) == 1 and _is_constant(exprs[1 - names[0]]):  # `x \ne 2`: all reals but 2
+        c = ("leaf", exprs[1 - names[0]])
+        return ("union", [("seq", "(", ")", [("leaf", "-\\infty"), c]), ("seq", "(", ")", [c, ("leaf", "\\infty")])])
     if ops != ["\\ne"] and len(names) == 1 and all(_is_constant(e) for i, e in enumerate(exprs) if i != names[0]):
         k = names[0]
         lo = ("leaf", exprs[k - 1]) if k > 0 else ("leaf", "-\\infty")
