@@ -434,9 +434,11 @@ def _relation(s: str):
         # An assignment `x = 5` (or `x = 2 + 3 = 5`: the last value counts) states the value;
         # any other equation is compared as an equation.
         # The name may be a label (`PQ = 3`, `\frac{AM}{MC} = 2`) whose value holds none of its
-        # own symbols; `x = 2x - 3` is an equation.
+        # own symbols; `x = 2x - 3` is an equation, and so is `AB = CD` (a figure's parts).
         for name, values in ((exprs[0], exprs[1:]), (exprs[-1], exprs[:-1]) if len(exprs) == 2 else (None, None)):
             label = _label(name) if name is not None else None
+            if label is not None and not _is_name(name) and any(re.search(r"[A-Z]", re.sub(r"\\[a-zA-Z]+", "", v)) for v in values):
+                continue
             if label is not None and not any(_symbols(name) & _symbols(v) for v in values):
                 value = _parse(values[-1])
                 names = label[1:-1].split(",") if label.startswith("(") else []
