@@ -17,12 +17,14 @@ mathematics, differs (`\\dfrac12` = `0.5` = `50\\%`, `x = 5` = `5`, `025` = `25`
 How a comparison runs:
 
 1. `extract_answer` takes the last `\\boxed{...}` / `\\fbox{...}` (boxes that end the
-   response side by side, `\\boxed{1}, \\boxed{2}`, are read as one list); without a box,
+   response side by side, `\\boxed{1}, \\boxed{2}`, are read as one list; `verify` also lets
+   a list gold be given box by box, see there); without a box,
    and unless `strict=True`, "the final answer is ...", "answer: ...", "#### ...",
    then the last `$...$` span or the last number, whichever comes later.
 2. `is_equiv` normalises both strings (`\\left`, spacing, `\\dfrac`, `^\\circ`, `\\%`,
-   `\\$`, units, thousands separators ...), splits structure in plain Python
-   (lists, sets, tuples, intervals, unions, matrices, equations, inequalities),
+   `\\$`, units, thousands separators, scale words ...), splits structure in plain Python
+   (lists, sets, tuples, intervals, unions, matrices and their sums and products, equations,
+   inequalities, labelled values `PQ = 3`, ratios `5:12`),
    compares plain numbers exactly with `fractions.Fraction` (the fast path), and only
    sends the remaining leaves to sympy.
 3. sympy runs in one persistent worker subprocess per process, started lazily. Each
@@ -68,7 +70,9 @@ _BOX_GAP = re.compile(r"(?:\s|[,;&]|\$|\\[\[\]()]|\\q?quad|\\text\{\s*(?:and|or)
 _CUE = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*:?|####", re.I)
 # Bounded spans: an unbounded lazy `.+?` rescans the rest of the text from every `\(`.
 _SPAN = re.compile(r"\$\$(.{1,1000}?)\$\$|\$([^$]{1,1000}?)\$|\\\((.{1,1000}?)\\\)|\\\[(.{1,1000}?)\\\]", re.S)
-_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+# A number glued to a letter on its left is part of a word or a name (`AB2C`, `x2y`, `H2O`,
+# `a_2`), never a final answer; letters only on its right (`5cm`, `3rd`) are a unit or an ordinal.
+_NUMBER = re.compile(r"(?<![A-Za-z_\d])(?:-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+)")
 
 
 def _box_arg(s: str, i: int):
@@ -111,6 +115,13 @@ def _boxed(s: str):
     """Content of the last box, or None. Boxes that close the response side by side
     (`\\boxed{-2} and \\boxed{1}`) are joined into one list, so a list answer can be
     written box by box; boxes separated by any prose are not (the last one counts)."""
+    parts = _box_group(s)
+    return None if parts is None else ", ".join(dict.fromkeys(parts))  # the same box twice is one answer
+
+
+def _box_group(s: str):
+    """The contents of the boxes that close the response side by side (one item for a lone
+    last box), or None when the last box is unclosed or there is none."""
     boxes = _boxes(s)
     if not boxes or boxes[-1][2] is None:
         return None
@@ -126,7 +137,7 @@ def _boxed(s: str):
             if not (len(inner) == 1 and inner[0][0] == 0 and inner[0][1] == len(p)):
                 break
             p = parts[i] = inner[0][2].strip()
-    return ", ".join(dict.fromkeys(parts))  # the same box twice is one answer
+    return parts
 
 
 def _after_last_equals(x: str) -> str:
@@ -200,6 +211,43 @@ _TEXTCMD = r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox
 _UNITCMD = r"\\(?:text|textbf|textit|textrm|textnormal|mbox)"
 
 
+# Words that count or scale, never units: `2 \text{ thousandths}` is not 2.
+_COUNTS = (r"(?:hundred|thousand|million|billion|trillion|dozen|halves|thirds|quarters|fourths|fifths|sixths|sevenths|"
+           r"eighths|ninths|tenths)(?:th|ths|s)?\b")
+_SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
+_SCALED = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*(" + _UNITCMD + r"\s*\{\s*)?(hundred|thousand|million|billion|trillion)(?![a-zA-Z])")
+_SMALL = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+                                     "fifteen sixteen seventeen eighteen nineteen".split())}
+_TENS = {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
+
+
+def _scaled(m) -> str:
+    """`3.5 thousand` -> `3500`; a value that is not a whole number keeps its words."""
+    value = Fraction(m.group(1)) * _SCALES[m.group(3)]
+    if value.denominator != 1:
+        return m.group(0)
+    return str(value.numerator) + (m.group(2).strip()[:-1] + "{" if m.group(2) else "")
+
+
+def _number_words(s: str) -> str:
+    """A whole answer written in words is its number: `five` = 5, `Twenty-one` = 21,
+    `two million` = 2000000. Only the whole string: words inside text stay text."""
+    m = re.fullmatch(r"(?i)(?:(twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety)(?:[- ]([a-z]+))?|([a-z]+))"
+                     r"(?: (hundred|thousand|million|billion|trillion))?", s.strip())
+    if not m:
+        return s
+    tens, unit, small, scale = [g.lower() if g else g for g in m.groups()]
+    if tens:
+        if unit is not None and (unit not in _SMALL or not 0 < _SMALL[unit] < 10):
+            return s
+        value = _TENS[tens] + (_SMALL[unit] if unit else 0)
+    elif small in _SMALL:
+        value = _SMALL[small]
+    else:
+        return s
+    return str(value * (_SCALES[scale] if scale else 1))
+
+
 def _normalize(s: str) -> str:
     """Canonical spelling of an answer string (spaces kept, collapsed)."""
     for k, v in _UNICODE.items():
@@ -218,23 +266,27 @@ def _normalize(s: str) -> str:
     s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])", "", s)
     s = re.sub(r"\\[,:; ]|\\q?quad(?![a-zA-Z])|~", " ", s)
     s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
+    s = re.sub(r"\\[dt]binom(?![a-zA-Z])", r"\\binom", s)
+    s = re.sub(r"\\colon(?![a-zA-Z])|\\mathbin\{:\}|\\ratio(?![a-zA-Z])", ":", s)
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])", "", s)
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "%").replace("**", "^")
     s = re.sub(r"(?<=[\d}])\s*(?:percent|pct)\b", "%", s)
     s = re.sub(r"\s*,?\s*\\text\{\s*,?\s*(?:and|or)\s*\}\s*|\s*,?\s+(?:and|or)\s+", ",", s)  # `6, 8, and 10`
+    s = _SCALED.sub(_scaled, s)  # `4 \text{ million}` is 4000000 (before units: a scale is not a unit)
     # Trailing units in \text{...} after a value: `5.4 \text{ cents}`, `15\mbox{ cm}^2`.
     prev = None
     while prev != s:
         prev = s
-        s = re.sub(r"^(.*?[^\s,])\s*" + _UNITCMD + r"\{[^{}\d]*\}(?:\^\{?\d\}?)?\s*\.?$", r"\1", s)
+        s = re.sub(r"^(.*?[^\s,])\s*" + _UNITCMD + r"\{(?!\s*" + _COUNTS + r")[^{}\d]*\}(?:\^\{?\d\}?)?\s*\.?$", r"\1", s)
     for _ in range(4):  # unwrap \text{...}: text is compared as text
         s = re.sub(_TEXTCMD + r"\s*\{([^{}]*)\}", r"\1", s)
+    s = _number_words(s)
     s = re.sub(r"(?<=[\d}])\s*" + _UNITS + r"(?:\^\{?[23]\}?)?\s*\.?$", "", s)
     s = re.sub(r"^([-+]?[\d.]+)\s+(?!(?:sin|cos|tan|log|ln|exp|not|maybe|one|two|three|four|five|six|seven|eight|nine|"
-               r"ten|hundred|thousand|million|billion)\b)[A-Za-z]{3,}$", r"\1", s)  # `8 apples`
+               r"ten)\b|" + _COUNTS + r")[A-Za-z]{3,}$", r"\1", s)  # `8 apples`, not `2 thousandths`
     s = re.sub(r"\\mathbb\s*\{?R\}?|(?i:all real numbers)", r"(-\\infty,\\infty)", s)
-    s = re.sub(r"\\le(?:q|qslant)?(?![a-zA-Z])|<=", r"\\le ", s)
-    s = re.sub(r"\\ge(?:q|qslant)?(?![a-zA-Z])|>=", r"\\ge ", s)
+    s = re.sub(r"\\le(?:qq|q|qslant)?(?![a-zA-Z])|<=", r"\\le ", s)  # ASCII `<=` as `\le`
+    s = re.sub(r"\\ge(?:qq|q|qslant)?(?![a-zA-Z])|>=", r"\\ge ", s)
     s = re.sub(r"\\neq?(?![a-zA-Z])|!=", r"\\ne ", s)
     s = re.sub(r"\\lt(?![a-zA-Z])", "<", re.sub(r"\\gt(?![a-zA-Z])", ">", s))
     s = re.sub(r"\\lbrace(?![a-zA-Z])", r"\\{", re.sub(r"\\rbrace(?![a-zA-Z])", r"\\}", s))
@@ -263,7 +315,7 @@ def _squash(s: str) -> str:
 
 _OPEN, _CLOSE = "([{", ")]}"
 _REL = re.compile(r"\\le |\\ge |\\ne |\\le$|\\ge$|<|>|=")
-_NAME = re.compile(r"(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?[a-zA-Z0-9]+\}?)?(?:\([a-zA-Z]\))?")
+_NAME = re.compile(r"(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?[a-zA-Z0-9]+\}?)?(?:\([a-zA-Z]\)|\(-?\d+\))?")
 
 
 def _depth(s: str) -> int:
@@ -310,6 +362,50 @@ def _is_name(s: str) -> bool:
     return bool(_NAME.fullmatch(s)) and s not in ("\\pi", "\\infty", "e", "i")
 
 
+_PTS = r"(?:[A-Z]'*)"  # a point of a figure: `A`, `B'`
+_LABEL = re.compile(r"\|(" + _PTS + r"{2,4})\||\\overline\{(" + _PTS + r"{2,4})\}|(" + _PTS + r"{2,4})|"  # |PQ|, \overline{PQ}, PQ
+                    r"m?\\(?:angle|measuredangle) ?\{?(" + _PTS + r"{1,3})\}?|\[(" + _PTS + r"{3,6})\]")  # \angle ABC, [ABC]
+
+
+def _label(s: str):
+    """What an answer names, canonically, or None: a variable (`x`, `a_n`, `f(x)`, `(p,q)`), a
+    segment (`PQ` = `|QP|` = `\\overline{PQ}`), an angle (`\\angle ABC`), an area (`[ABC]`),
+    or a ratio of those (`\\frac{AM}{MC}`, `AM/MC`, `S_1 : S_2`)."""
+    s = _squash(s)
+    if _is_name(s):
+        return s
+    m = re.fullmatch(r"\\frac\{([^{}]+)\}\{([^{}]+)\}|([^/:]+)/([^/:]+)", s)
+    parts = [g for g in m.groups() if g] if m else s.split(":")
+    if len(parts) > 1:
+        atoms = [_label_atom(p) for p in parts]
+        return None if None in atoms else ":".join(atoms)
+    return _label_atom(s)
+
+
+def _label_atom(s: str):
+    if _NAME.fullmatch(s) and _is_name(s):
+        return s
+    m = _LABEL.fullmatch(s)
+    if not m:
+        return None
+    seg = m.group(1) or m.group(2) or m.group(3)
+    if seg:  # a segment has no direction: PQ = QP
+        pts = re.findall(_PTS, seg)
+        return "".join(sorted(pts)) if len(pts) == 2 else seg
+    if m.group(4):
+        pts = re.findall(_PTS, m.group(4))
+        return "\\angle " + min("".join(pts), "".join(pts[::-1]))
+    return "[" + m.group(5) + "]"
+
+
+def _symbols(s: str) -> set:
+    """The letters and Greek names an expression uses (subscripts and function arguments of a
+    label are not its symbols: `a_n = 2n+1` and `f(x) = x^2` state values)."""
+    s = re.sub(r"_\{[^{}]*\}|_.|(?<=[a-zA-Z])\([a-zA-Z]\)", "", s)
+    s = re.sub(r"\\(?:text|mathrm|operatorname)\{[^{}]*\}", "", s)
+    return {t for t in re.findall(r"\\[a-zA-Z]+|[a-zA-Z]", s) if t[0] != "\\" or t[1:] in _GREEK}
+
+
 def _split_relation(s: str):
     """`a < b \\le c` -> ([a, b, c], ['<', '\\le ']) at the top level."""
     exprs, ops, depth, last, i = [], [], 0, 0, 0
@@ -337,10 +433,18 @@ def _relation(s: str):
     if all(o == "=" for o in ops):
         # An assignment `x = 5` (or `x = 2 + 3 = 5`: the last value counts) states the value;
         # any other equation is compared as an equation.
-        if _is_name(exprs[0]):
-            return ("assign", _squash(exprs[0]), _parse(exprs[-1]))
-        if len(exprs) == 2 and _is_name(exprs[1]):
-            return ("assign", _squash(exprs[1]), _parse(exprs[0]))
+        # The name may be a label (`PQ = 3`, `\frac{AM}{MC} = 2`) whose value holds none of its
+        # own symbols; `x = 2x - 3` is an equation, and so is `AB = CD` (a figure's parts).
+        for name, values in ((exprs[0], exprs[1:]), (exprs[-1], exprs[:-1]) if len(exprs) == 2 else (None, None)):
+            label = _label(name) if name is not None else None
+            if label is not None and not _is_name(name) and any(re.search(r"[A-Z]", re.sub(r"\\[a-zA-Z]+", "", v)) for v in values):
+                continue
+            if label is not None and not any(_symbols(name) & _symbols(v) for v in values):
+                value = _parse(values[-1])
+                names = label[1:-1].split(",") if label.startswith("(") else []
+                if value and value[0] == "seq" and value[1] == "(" and len(names) == len(value[3]):
+                    return ("record", [("assign", n, v) for n, v in zip(names, value[3])])  # `(x,y) = (1,2)`
+                return ("assign", label, value)
         return ("eq", exprs[0], exprs[-1])
     if "=" in ops or "\\ne" in ops and len(ops) > 1:
         return None
@@ -350,6 +454,9 @@ def _relation(s: str):
         return None
     # A one-variable inequality is the interval it describes: `-2 \le x < 7` is `[-2, 7)`.
     names = [i for i, e in enumerate(exprs) if _is_name(e)]
+    if ops == ["\\ne"] and len(names) == 1 and _is_constant(exprs[1 - names[0]]):  # `x \ne 2`: all reals but 2
+        c = ("leaf", exprs[1 - names[0]])
+        return ("union", [("seq", "(", ")", [("leaf", "-\\infty"), c]), ("seq", "(", ")", [c, ("leaf", "\\infty")])])
     if ops != ["\\ne"] and len(names) == 1 and all(_is_constant(e) for i, e in enumerate(exprs) if i != names[0]):
         k = names[0]
         lo = ("leaf", exprs[k - 1]) if k > 0 else ("leaf", "-\\infty")
@@ -381,6 +488,81 @@ def _items(parts: list[str]) -> list:
     return out
 
 
+_MATRIX = re.compile(r"\\begin\{([pbBvV]?matrix)\}(.*?)\\end\{\1\}", re.S)
+_PH = "\ue001"  # stands for the k-th matrix literal of an expression
+
+
+def _matrix_expr(s: str):
+    """A sum / product of matrix literals and constant scalars (`2A + B`, `AB`), evaluated:
+    entries exactly with Fraction where they are plain numbers, else as LaTeX for sympy."""
+    mats = []
+    for m in _MATRIX.finditer(s):
+        rows = [[c.strip() for c in _split_top(r, "&")] for r in m.group(2).split(_ROW) if r.strip()]
+        if not rows or len({len(r) for r in rows}) != 1 or sum(map(len, rows)) > MAX_ITEMS * 4:
+            return None
+        mats.append([[_entry(c) for c in r] for r in rows])
+    if not 0 < len(mats) <= 4:
+        return None
+    k = iter(range(len(mats)))
+    e = _MATRIX.sub(lambda m: f"{_PH}{next(k)}", s)
+    e = re.sub(r"\(\s*(" + _PH + r"\d)\s*\)", r"\1", e).replace("\\cdot", " ").replace("\\times", " ")
+    # A small power is a product: `A^2` is `A A` (and `(A)^{3}` is `A A A`).
+    e = re.sub("(" + _PH + r"\d)\s*\^\s*\{?\s*([1-5])\s*\}?", lambda m: " ".join([m.group(1)] * int(m.group(2))), e)
+    total, terms, sign = None, [], "+"
+    for t in re.split(r"([+-])", e):
+        if t in ("+", "-"):
+            sign = "+" if (sign == "-") == (t == "-") else "-"
+        elif t.strip():
+            terms.append((sign, t))
+            sign = "+"
+    if sign == "-" or not e.strip() or e.strip()[-1] in "+-":
+        return None
+    for sign, term in terms:
+        bits = re.split("(" + _PH + r"\d)", term)
+        scalar = " ".join(b for b in bits[::2] if b.strip()).strip()
+        if re.search(r"[\^_]|\\begin|&", scalar) or (scalar and not _is_constant(scalar)):
+            return None
+        prod = None
+        for b in bits[1::2]:
+            m = mats[int(b[1:])]
+            if prod is not None and len(prod[0]) != len(m):
+                return None
+            prod = m if prod is None else [[_add_all([_mul(r[t], m[t][j]) for t in range(len(m))]) for j in range(len(m[0]))] for r in prod]
+        if prod is None:
+            return None
+        factor = _entry(scalar) if scalar else Fraction(1)
+        factor = _mul(Fraction(-1), factor) if sign == "-" else factor
+        prod = [[_mul(factor, x) for x in r] for r in prod]
+        if total is not None and [len(r) for r in total] != [len(r) for r in prod]:
+            return None
+        total = prod if total is None else [[_add_all([x, y]) for x, y in zip(r, q)] for r, q in zip(total, prod)]
+    if total is None:
+        return None
+    return ("matrix", [[("leaf", _tex(x)) for x in r] for r in total])
+
+
+def _entry(c: str):
+    n = _number(_squash(c))
+    return n[0] if n and not n[2] and not n[1] else c  # exact numbers as Fraction (a decimal stays as written)
+
+
+def _tex(x) -> str:
+    if not isinstance(x, Fraction):
+        return x
+    sign, x = ("-" if x < 0 else ""), abs(x)
+    return sign + (str(x.numerator) if x.denominator == 1 else f"\\frac{{{x.numerator}}}{{{x.denominator}}}")
+
+
+def _mul(x, y):
+    return x * y if isinstance(x, Fraction) and isinstance(y, Fraction) else f"({_tex(x)})({_tex(y)})"
+
+
+def _add_all(xs: list):
+    if all(isinstance(x, Fraction) for x in xs):
+        return sum(xs, Fraction(0))
+    return "+".join(f"({_tex(x)})" for x in xs)
+
+
 def _parse(s: str):
     """Structure of a normalised answer: nested tuples (kind, ...)."""
     s = s.strip()
@@ -398,14 +580,26 @@ def _parse(s: str):
     parts = _split_top(s, "\\cup")
     if len(parts) > 1:
         return ("union", [_parse(p) for p in parts])
+    groups = _split_top(s, ";")
+    if 1 < len(groups) <= MAX_ITEMS and any(len(_split_top(g, ",")) > 1 for g in groups):
+        return ("set", [_parse(g) for g in groups], True)  # `m = 3, n = 1; m = 5, n = 1`: two solutions
     parts = [p for p in _split_top(s.replace(";", ","), ",")]
     if len(parts) > 1:
         if len(parts) > MAX_ITEMS:
             return ("leaf", s)
-        return ("set", _items(parts), True)  # a bare list: set of solutions
+        items = _items(parts)
+        labels = [n[1] for n in items if n and n[0] == "assign"]
+        if len(labels) == len(items) and len(set(labels)) == len(labels):
+            return ("record", items)  # `PQ = 3, RS = 7`: one value per name, in this order
+        return ("set", items, True)  # a bare list: set of solutions
     rel = _relation(s)
     if rel is not None:
         return rel
+    parts = _split_top(s, ":")
+    if 1 < len(parts) <= MAX_ITEMS and all(p.strip() and _is_constant(p) for p in parts):
+        return ("ratio", [p.strip() for p in parts])  # `5 : 12` (not a time `8:34 p.m.`)
+    if len(_MATRIX.findall(s)) > 1 or _MATRIX.search(s) and not re.fullmatch(r"[(\[]?\s*" + _MATRIX.pattern + r"\s*[)\]]?", s, re.S):
+        return _matrix_expr(s) or ("leaf", s)
     m = re.fullmatch(r"[(\[]?\s*\\begin\{([pbBvV]?matrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}\s*[)\]]?", s, re.S)
     if m:
         rows = [r for r in m.group(2).split(_ROW) if r.strip()]
@@ -815,10 +1009,50 @@ def _unordered(xs, ys, ctx) -> bool:
     return True
 
 
+def _record_equal(r, o, ctx) -> bool:
+    """Named values (`PQ = 3, RS = 7`): against other names, name by name; against bare values
+    (`3, 7` or `(3, 7)`), in order (an item that names something must name the same thing)."""
+    if o[0] == "record":
+        mine, theirs = dict((n[1], n) for n in r[1]), dict((n[1], n) for n in o[1])
+        return mine.keys() == theirs.keys() and all(_equal(mine[k], theirs[k], ctx) for k in mine)
+    items = o[1] if o[0] == "set" and o[2] is True else o[3] if o[0] == "seq" and o[1] == "(" else None
+    return items is not None and len(items) == len(r[1]) and all(_equal(x, y, ctx) for x, y in zip(r[1], items))
+
+
+def _clock(parts: list) -> bool:
+    """`9:24`, `4:30:05`: hours then two-digit minutes (and seconds) under 60."""
+    return bool(re.fullmatch(r"\d{1,2}", parts[0])) and all(re.fullmatch(r"[0-5]\d", p) for p in parts[1:3]) and len(parts) <= 3
+
+
+def _ratio_equal(r, o, ctx) -> bool:
+    """`a : b` equals a proportional ratio (`2:4` = `1:2`), and a two-term ratio equals its
+    value (`2:3` = `\\frac23`), never its reciprocal. A ratio that reads as a clock time
+    (`9:24`, `4:30`) is compared term by term: `3:8` or `2:15` is a different time."""
+    if o[0] == "ratio":
+        if len(o[1]) != len(r[1]):
+            return False
+        nums = [_number(_squash(p)) for p in r[1] + o[1]]
+        if all(n and not n[2] for n in nums):  # plain numbers: exact, in Python
+            vals = [n[0] for n in nums]
+            if 0 in vals or _clock(r[1]) or _clock(o[1]):
+                return vals[: len(r[1])] == vals[len(r[1]) :]
+            return all(x / vals[0] == y / vals[len(r[1])] for x, y in zip(vals[1 : len(r[1])], vals[len(r[1]) + 1 :]))
+        return all(_leaf_equal(f"\\frac{{{x}}}{{{r[1][0]}}}", f"\\frac{{{y}}}{{{o[1][0]}}}", ctx) for x, y in zip(r[1][1:], o[1][1:]))
+    if o[0] == "leaf" and len(r[1]) == 2:
+        x, y = r[1]
+        nx, ny = _number(_squash(x)), _number(_squash(y))
+        if nx and ny and not nx[2] and not ny[2]:  # plain numbers: the exact quotient
+            return ny[0] != 0 and _leaf_equal(_tex(nx[0] / ny[0]), o[1], ctx)
+        return _leaf_equal(f"\\frac{{{x}}}{{{y}}}", o[1], ctx)
+    return False
+
+
 def _equal(a, b, ctx) -> bool:
     if a is None or b is None:
         return False
     ka, kb = a[0], b[0]
+    if ka == "record" or kb == "record":
+        return _record_equal(a, b, ctx) if ka == "record" else _record_equal(b, a, ctx)
     if ka == "assign" and kb == "assign":
         if a[1] != b[1]:  # `x = 1` is not `y = 1`, but `a = b` is `b = a`
             da, db = _diff(a), _diff(b)
@@ -846,6 +1080,8 @@ def _equal(a, b, ctx) -> bool:
         return _equal(a, b[1][0], ctx)
     if ka == "leaf" and kb == "leaf":
         return _leaf_equal(a[1], b[1], ctx)
+    if ka == "ratio" or kb == "ratio":
+        return _ratio_equal(a, b, ctx) if ka == "ratio" else _ratio_equal(b, a, ctx)
     if ka == "union" or kb == "union":
         ia, ib = _as_intervals(a), _as_intervals(b)
         return ia is not None and ib is not None and _unordered(ia, ib, ctx)
@@ -861,6 +1097,9 @@ def _equal(a, b, ctx) -> bool:
     if ka == "matrix" and kb == "matrix":
         return [len(r) for r in a[1]] == [len(r) for r in b[1]] and all(
             _equal(x, y, ctx) for ra, rb in zip(a[1], b[1]) for x, y in zip(ra, rb))
+    if {ka, kb} == {"matrix", "leaf"}:  # a 1x1 product (a row times a column) is its entry
+        m, q = (a, b) if ka == "matrix" else (b, a)
+        return len(m[1]) == 1 and len(m[1][0]) == 1 and _equal(m[1][0][0], q, ctx)
     if {ka, kb} == {"matrix", "seq"}:  # a column vector written as a tuple
         m, q = (a, b) if ka == "matrix" else (b, a)
         flat = [r[0] for r in m[1] if len(r) == 1]
@@ -870,6 +1109,10 @@ def _equal(a, b, ctx) -> bool:
 
 def is_equiv(answer: str, gold: str, timeout: float = TIMEOUT) -> bool:
     """Are two answer strings the same mathematical answer? Never raises."""
+    return _is_equiv(answer, gold, {"left": timeout})
+
+
+def _is_equiv(answer: str, gold: str, ctx) -> bool:
     try:
         if not isinstance(answer, str) or not isinstance(gold, str):
             return False
@@ -882,7 +1125,7 @@ def is_equiv(answer: str, gold: str, timeout: float = TIMEOUT) -> bool:
             return True
         if max(_depth(a), _depth(g)) > MAX_DEPTH:
             return False  # too deep to parse: only an exact (normalised) match counts
-        return _equal(_parse(a), _parse(g), {"left": timeout})
+        return _equal(_parse(a), _parse(g), ctx)
     except RecursionError:
         return False
     except Exception:  # noqa: BLE001 - the reward must never crash training
@@ -890,12 +1133,69 @@ def is_equiv(answer: str, gold: str, timeout: float = TIMEOUT) -> bool:
 
 
 def verify(response: str, gold: str, strict: bool = False, timeout: float = TIMEOUT) -> bool:
-    """Extract the final answer of `response` and compare it with `gold`. Never raises."""
+    """Extract the final answer of `response` and compare it with `gold`. Never raises.
+
+    Several boxes: side-by-side boxes are one list (see `extract_answer`); when that list
+    is not the gold, it still counts if every box restates the gold (`\\boxed{x+11}, \\boxed{11+x}`).
+    A gold that is a list of k > 1 answers may also be given by k boxes with prose between
+    them (`\\boxed{(2,4)}` ... `\\boxed{(4,2)}`) when the response boxes nothing else. A single
+    gold is only ever judged by the last box (or side-by-side list), so several candidates
+    stay wrong."""
     try:
         answer = extract_answer(response, strict=strict)
-        return answer is not None and is_equiv(answer, gold, timeout=timeout)
+        if answer is None:
+            return False
+        ctx = {"left": timeout}  # one budget for all the comparisons of this response
+        if _is_equiv(answer, gold, ctx) or _names_value(answer, gold, ctx):
+            return True
+        s = response[-MAX_RESPONSE:]
+        if not _BOX.search(s):
+            return False
+        group = _box_group(s) or []
+        if 1 < len(group) <= MAX_ITEMS and all(_is_equiv(p, gold, ctx) for p in group):
+            return True
+        return _spread_over_boxes(s, gold, ctx)
     except Exception:  # noqa: BLE001
         return False
+
+
+def _names_value(answer: str, gold: str, ctx) -> bool:
+    """A response that states the value of an expression in names (`m + n = 25`, `a^2+b^2 = 7`,
+    `xy = 6`) answers a gold that is that value. One way only: a gold `x + y = 5` is an
+    equation (a line), which the value 5 does not answer."""
+    try:
+        if max(len(answer), len(gold)) > MAX_ANSWER or _depth(gold) > MAX_DEPTH or "=" not in answer:
+            return False
+        a = _normalize(answer)
+        exprs, ops = _split_relation(a)
+        if len(exprs) != 2 or ops != ["="]:
+            return False
+        names = re.sub(r"[_^]\{?[a-zA-Z0-9]\}?|\\cdot|[+\-*() ]", " ", exprs[0])
+        if not re.fullmatch(r"[a-zA-Z ]+", names) or not _is_constant(exprs[1]) or not exprs[1].strip():
+            return False
+        g = _parse(_normalize(gold))
+        return g is not None and g[0] not in ("eq", "assign", "rel", "record") and _is_equiv(exprs[1], gold, ctx)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _spread_over_boxes(s: str, gold: str, ctx) -> bool:
+    """Do the response's boxes, k distinct ones in all, form a gold list of k > 1 answers?
+    (A response that also boxes anything else, a candidate or a step, is not read this way.)"""
+    if len(gold) > MAX_ANSWER or _depth(gold) > MAX_DEPTH:
+        return False
+    node = _parse(_normalize(gold))
+    k = len(node[1]) if node and node[0] in ("set", "record") else 0
+    if not 1 < k <= MAX_ITEMS:
+        return False
+    seen = {}
+    for _, _, content in _boxes(s):
+        if len(content) > MAX_ANSWER:
+            return False  # too big to be one of the answers
+        seen.setdefault(_squash(_normalize(content)), content.strip())
+        if len(seen) > k:
+            return False
+    return len(seen) == k and _is_equiv(", ".join(seen.values()), gold, ctx)
 
 
 # ---------------------------------------------------------------------------------------

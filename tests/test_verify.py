@@ -150,7 +150,8 @@ def test_aime_leading_zeros():
 TOKENS = [r"\frac", r"\sqrt", r"\boxed{", r"\fbox{", "{", "}", "(", ")", "[", "]", r"\{", r"\}", "^", "_", "10", "2", "0", "9",
           "x", "y", "e", "i", r"\pi", r"\infty", r"\pm", r"\cdot", r"\times", "+", "-", "/", "=", "<", r"\le", ",", ".", "%",
           r"\%", "$", r"\left(", r"\right)", r"\begin{pmatrix}", r"\end{pmatrix}", "\\\\", "&", r"\text{", "cm", " ",
-          r"\sin", r"\log_", r"\ln", "!", "|", r"\cup", r"\in", "The answer is ", r"\binom", r"\lfloor", r"\rfloor", "\n"]
+          r"\sin", r"\log_", r"\ln", "!", "|", r"\cup", r"\in", "The answer is ", r"\binom", r"\lfloor", r"\rfloor", "\n",
+          ":", ";", "PQ", r"\angle ", " million", "five", "<=", "AB2C"]
 def fuzz(n):  # n examples, no per-example deadline (the bound is asserted in _bounded)
     return settings(max_examples=n, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
@@ -215,6 +216,7 @@ EXPRESSIONS = st.recursive(st.sampled_from(["x", "y", "0", "1", "2", "3", "10", 
 def test_fuzz_expressions_no_false_positive(e):
     """Random well-formed expressions reach sympy; `e` and `e + 1` are never the same answer."""
     assert _bounded(verify.is_equiv, f"({e})+1", e) is False
+    assert _bounded(verify.is_equiv, f"PQ = ({e})+1", e) is False  # a label does not change the value
     _bounded(verify.verify, rf"\boxed{{{e}}}", f"{e}")
 
 
@@ -228,6 +230,16 @@ def test_refused_before_sympy():
     assert not verify.verify(r"\boxed{1}\text{" + " " * 50_000 + r"\boxed{2}", "1")
     assert time.monotonic() - start < 5
     assert verify._to_code("10^{10^{10}}") is None and verify._to_code("2^{10}") is not None
+
+
+def test_several_boxes_and_labels_stay_bounded():
+    start = time.monotonic()
+    assert not verify.verify(r"\boxed{1} and then " * 5000 + r"\boxed{2}", "1, 3")  # many boxes against a list gold
+    assert not verify.verify(r"\boxed{1} so \boxed{" + "x " * 40000 + "}", "1, 2")  # a huge box among them
+    assert not verify.verify(r"\boxed{1} so \boxed{2}", "1, " + "{" * 400 + "2" + "}" * 400)  # a deep gold
+    assert not verify.verify(r"\boxed{m + n = " + "(" * 400 + "5" + ")" * 400 + "}", "5 " * 600)
+    assert not verify.verify(r"\boxed{" + ":".join(["1"] * 5000) + "}", ":".join(["2"] * 5000))  # long ratios
+    assert time.monotonic() - start < 5
 
 
 # --- the timeout: off the main thread and inside worker processes -----------------------------------
