@@ -1,0 +1,124 @@
+"""Behaviours of the training loop that the metrics alone would not reveal, checked on a tiny random model
+through pacs.py's stable interfaces (train_step, sample, reward_fn, algo_loss, response_logprobs,
+batch_indices, save_checkpoint): the critic is scored against pi_old, the data order is a function of the
+seed, a non-finite gradient never reaches the weights, and a kill mid-save never leaves a broken checkpoint.
+
+Rows reach algo_loss in rollout order, each row once, each call within one mini-batch; the tests map a call
+to its rows by counting rows, never through train_step's local variables."""
+import copy
+import hashlib
+import math
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+import pacs
+
+G, P, M, MICRO = 4, 6, 3, 4  # 6 prompts x 4 samples = 24 rows; 3 mini-batches of 8 rows; 2 micro-batches each
+ROWS_PER_MINI = P * G // M
+LOG2 = math.log(2.0)
+PROBLEMS = [{"id": str(i), "problem": f"{i} + 1 =", "answer": str(i + 1)} for i in range(10)]
+
+
+def make_cfg(model_dir, out_dir="unused", *extra):
+    cfg = pacs.parse_args(["--model", model_dir, "--dataset", "synthetic", "--out-dir", str(out_dir),
+                           "--group-size", str(G), "--prompts-per-step", str(P), "--num-mini-batches", str(M),
+                           "--micro-batch-size", str(MICRO), "--max-new-tokens", "4", "--lr", "1e-2",
+                           "--weight-decay", "0", "--eval-every", "0", *extra])
+    pacs.check_config(cfg)
+    return cfg
+
+
+def mixed_rewards(texts, answers):
+    """R = 0, 1, 0, 1 in every group: every group is mixed, so every mini-batch has a gradient."""
+    return torch.tensor([float(i % 2) for i in range(len(texts))])
+
+
+def record_rollout_and_losses(monkeypatch, poison=None):
+    """Wrap pacs.sample and pacs.algo_loss. Each algo_loss call is stored with its rows (counted in rollout
+    order) and its mini-batch; poison(mini_batch, first_row) -> a factor for that call's loss, or None."""
+    rec = {"rolls": [], "calls": [], "next_row": 0}
+    real_sample, real_loss = pacs.sample, pacs.algo_loss
+
+    def sample(*args, **kwargs):
+        roll = real_sample(*args, **kwargs)
+        rec["rolls"].append({k: v.clone() for k, v in roll.items()})
+        rec["next_row"] = 0
+        return roll
+
+    def algo_loss(cfg, logprobs, old_logprobs, mask, rewards):
+        first = rec["next_row"]
+        rows = range(first, first + logprobs.shape[0])
+        rec["next_row"] = rows.stop
+        mini = first // ROWS_PER_MINI
+        assert (rows.stop - 1) // ROWS_PER_MINI == mini, "a loss call spans two mini-batches"
+        if "on_call" in rec:
+            rec["on_call"](mini, first)
+        loss = real_loss(cfg, logprobs, old_logprobs, mask, rewards)
+        rec["calls"].append({"rows": rows, "mini": mini, "logprobs": logprobs.detach().clone(),
+                             "old": old_logprobs.detach().clone(), "mask": mask.detach().clone(),
+                             "loss": loss.item()})
+        factor = poison(mini, first) if poison else None
+        return loss if factor is None else loss * factor
+
+    monkeypatch.setattr(pacs, "sample", sample)
+    monkeypatch.setattr(pacs, "algo_loss", algo_loss)
+    monkeypatch.setattr(pacs, "reward_fn", mixed_rewards)
+    return rec
+
+
+def masked_logprobs(model, roll, rows, T, temperature):
+    """log pi(response) (len(rows), T) of `model` on rollout rows, the padding zeroed."""
+    model.eval()
+    with torch.no_grad():
+        lp, _ = pacs.response_logprobs(model, roll["prompt_ids"][rows], roll["prompt_mask"][rows],
+                                       roll["response_ids"][rows], roll["response_mask"][rows], temperature,
+                                       group_size=G)
+    return lp[:, :T] * roll["response_mask"][rows, :T]
+
+
+def check_call_matches_rollout(call, roll):
+    """The call's mask is the rollout's mask on the rows we think it holds: the row mapping is right."""
+    rows, T = call["rows"], call["mask"].shape[1]
+    assert torch.equal(call["mask"], roll["response_mask"][rows, :T].to(call["mask"].dtype))
+    assert not roll["response_mask"][rows, T:].any()
+
+
+# ---- 1. the critic is switched on: later mini-batches are scored against pi_old ------------------------
+def test_later_mini_batches_score_against_the_weights_from_before_the_first_update(tiny_model_dir, monkeypatch):
+    cfg = make_cfg(tiny_model_dir)
+    model, tok = pacs.load_model(tiny_model_dir)
+    optimizer = pacs.make_optimizer(cfg, model)
+    after_update = []  # the weights after each optimizer step
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: after_update.append(copy.deepcopy(model.state_dict())))
+    rec = record_rollout_and_losses(monkeypatch)
+    pi_old = copy.deepcopy(model)  # the rollout policy: the weights before this step's first update
+    torch.manual_seed(0)
+    metrics, _ = pacs.train_step(cfg, model, tok, optimizer, PROBLEMS, 0, torch.device("cpu"))
+
+    roll, calls = rec["rolls"][0], rec["calls"]
+    assert len(after_update) == M and metrics["skipped"] == 0  # one optimizer step per mini-batch
+    assert sum(len(c["rows"]) for c in calls) == P * G and {c["mini"] for c in calls} == set(range(M))
+    policy_at = copy.deepcopy(model)
+    for c in calls:
+        check_call_matches_rollout(c, roll)
+        rows, T, mask = c["rows"], c["mask"].shape[1], c["mask"]
+        # old_logprobs are pi_old's on every mini-batch, the later ones included (fp32, tight tolerance)
+        torch.testing.assert_close(c["old"] * mask, masked_logprobs(pi_old, roll, rows, T, cfg.temperature),
+                                   atol=1e-5, rtol=1e-5)
+        # logprobs are the current policy's: the weights after the m updates before mini-batch m
+        policy_at.load_state_dict(after_update[c["mini"] - 1] if c["mini"] else pi_old.state_dict())
+        torch.testing.assert_close(c["logprobs"] * mask, masked_logprobs(policy_at, roll, rows, T, cfg.temperature),
+                                   atol=1e-5, rtol=1e-5)
+        psi = pacs.pacs_score(c["logprobs"], c["old"], mask, G, cfg.beta, cfg.estimator)
+        if c["mini"] == 0:  # on-policy: psi is exactly 0 and the BCE at sigma = 1/2 is log 2
+            assert torch.equal(psi, torch.zeros_like(psi))
+            assert c["loss"] == pytest.approx(LOG2, abs=1e-6)
+        else:  # the policy has moved: the critic sigma(psi) is no longer 1/2
+            assert ((c["logprobs"] - c["old"]) * mask).abs().max() > 1e-3
+            assert psi.abs().max() > 1e-3, f"psi == 0 on mini-batch {c['mini']}: PACS would be REINFORCE"
+            assert abs(c["loss"] - LOG2) > 1e-5
+    assert metrics["psi_std"] > 0
