@@ -122,3 +122,42 @@ def test_later_mini_batches_score_against_the_weights_from_before_the_first_upda
             assert psi.abs().max() > 1e-3, f"psi == 0 on mini-batch {c['mini']}: PACS would be REINFORCE"
             assert abs(c["loss"] - LOG2) > 1e-5
     assert metrics["psi_std"] > 0
+
+
+# ---- 2. the data order is a function of the seed; every epoch is reshuffled --------------------------
+def test_data_order_is_a_seeded_reshuffle_each_epoch():
+    n, per_step, epochs = 10, 3, 4  # 3 does not divide 10: steps straddle epoch boundaries
+
+    def order(seed):
+        flat = [i for step in range(math.ceil(epochs * n / per_step)) for i in pacs.batch_indices(step, n, per_step, seed)]
+        return [flat[e * n:(e + 1) * n] for e in range(epochs)]
+
+    a = order(0)
+    torch.manual_seed(123)  # the global RNG (which sampling consumes) must not matter
+    assert order(0) == a
+    for e, perm in enumerate(a):
+        assert sorted(perm) == list(range(n)), f"epoch {e} does not cover every problem exactly once"
+        if e:
+            assert perm != a[e - 1], f"epoch {e} repeats epoch {e - 1}'s order"
+    assert perm != list(range(n))
+    b = order(1)
+    assert all(x != y for x, y in zip(a, b)), "two seeds give the same order in some epoch"
+    assert len({tuple(p) for e in range(epochs) for p in (a[e], b[e])}) == 2 * epochs
+
+
+def test_train_step_samples_the_prompts_of_batch_indices(tiny_model_dir, monkeypatch):
+    cfg = make_cfg(tiny_model_dir, "unused", "--seed", "5")
+    model, tok = pacs.load_model(tiny_model_dir)
+
+    class Sampled(Exception):
+        pass
+
+    def sample(model, tokenizer, prompts, *args, **kwargs):
+        raise Sampled(prompts)
+
+    monkeypatch.setattr(pacs, "sample", sample)
+    for step in (0, 1, 2):  # step 1 straddles the end of the first epoch (6 + 6 > 10 problems)
+        with pytest.raises(Sampled) as got:
+            pacs.train_step(cfg, model, tok, None, PROBLEMS, step, torch.device("cpu"))
+        want = [pacs.build_prompt(tok, PROBLEMS[i]["problem"]) for i in pacs.batch_indices(step, len(PROBLEMS), P, 5)]
+        assert got.value.args[0] == want
