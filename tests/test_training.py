@@ -161,3 +161,50 @@ def test_train_step_samples_the_prompts_of_batch_indices(tiny_model_dir, monkeyp
             pacs.train_step(cfg, model, tok, None, PROBLEMS, step, torch.device("cpu"))
         want = [pacs.build_prompt(tok, PROBLEMS[i]["problem"]) for i in pacs.batch_indices(step, len(PROBLEMS), P, 5)]
         assert got.value.args[0] == want
+
+
+# ---- 3. a non-finite gradient never reaches the weights ----------------------------------------------
+def training_state(model, optimizer):
+    """Every parameter and every AdamW tensor (exp_avg, exp_avg_sq, step), cloned."""
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = {(n, k): v.clone() if torch.is_tensor(v) else v
+           for n, p in model.named_parameters() for k, v in optimizer.state.get(p, {}).items()}
+    return params, opt
+
+
+def same_state(a, b):
+    return a[0].keys() == b[0].keys() and a[1].keys() == b[1].keys() and all(
+        torch.equal(a[i][k], b[i][k]) if torch.is_tensor(a[i][k]) else a[i][k] == b[i][k] for i in (0, 1) for k in a[i])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_gradient_skips_that_mini_batch_only(tiny_model_dir, monkeypatch, bad):
+    cfg = make_cfg(tiny_model_dir)
+    model, tok = pacs.load_model(tiny_model_dir)
+    optimizer = pacs.make_optimizer(cfg, model)
+    # the first micro-batch of mini-batch 1 gets a non-finite loss, so that mini-batch's gradient is non-finite
+    poisoned = {"on": True}
+    rec = record_rollout_and_losses(
+        monkeypatch, poison=lambda mini, first: bad if poisoned["on"] and first == ROWS_PER_MINI else None)
+    at_start = {}  # mini-batch -> training state when its first loss is computed (before its update)
+    rec["on_call"] = lambda mini, first: at_start.setdefault(mini, training_state(model, optimizer))
+    torch.manual_seed(0)
+    metrics, _ = pacs.train_step(cfg, model, tok, optimizer, PROBLEMS, 0, torch.device("cpu"))
+    end = training_state(model, optimizer)
+
+    assert metrics["skipped"] == 1
+    assert not same_state(at_start[0], at_start[1])  # mini-batch 0 trained
+    untouched = same_state(at_start[1], at_start[2])
+    assert untouched, "the non-finite mini-batch changed the weights or the AdamW state"
+    assert not same_state(at_start[2], end)  # mini-batch 2 trained
+    assert all(torch.isfinite(p).all() for p in end[0].values())
+    assert all(torch.isfinite(v).all() for v in end[1].values() if torch.is_tensor(v))
+
+    # the next rollout trains as usual
+    poisoned["on"] = False
+    rec["on_call"] = lambda mini, first: None
+    metrics, _ = pacs.train_step(cfg, model, tok, optimizer, PROBLEMS, 1, torch.device("cpu"))
+    after = training_state(model, optimizer)
+    assert metrics["skipped"] == 0 and math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    assert not same_state(end, after)
+    assert all(torch.isfinite(p).all() for p in after[0].values())
