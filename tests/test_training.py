@@ -208,3 +208,113 @@ def test_non_finite_gradient_skips_that_mini_batch_only(tiny_model_dir, monkeypa
     assert metrics["skipped"] == 0 and math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
     assert not same_state(end, after)
     assert all(torch.isfinite(p).all() for p in after[0].values())
+
+
+# ---- checkpoints: a kill at any point of a save leaves a complete latest checkpoint -------------------
+class Killed(BaseException):
+    """A kill: BaseException, so no `except Exception` in the code under test can swallow it."""
+
+
+FS_EVENTS = {"open", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree", "os.mkdir", "shutil.move",
+             "shutil.copyfile", "shutil.copytree", "os.truncate", "os.link", "os.symlink"}
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+KILL = {"armed": False, "at": -1, "seen": 0, "installed": False}
+
+
+def _kill_hook(event, args):
+    """Audit hook (installed once, inert unless armed): raise Killed at the KILL['at']-th file-system
+    change, so a save can be interrupted before any of its writes, renames or deletions."""
+    if not KILL["armed"] or event not in FS_EVENTS:
+        return
+    if event == "open" and not (args[1] is not None and any(c in args[1] for c in "wax+")
+                                or args[1] is None and args[2] & WRITE_FLAGS):
+        return  # a read
+    KILL["seen"] += 1
+    if KILL["seen"] - 1 == KILL["at"]:
+        KILL["armed"] = False
+        raise Killed(event, args)
+
+
+def file_digests(d):
+    return {os.path.relpath(os.path.join(r, f), d): hashlib.sha256(open(os.path.join(r, f), "rb").read()).hexdigest()
+            for r, _, fs in os.walk(d) for f in fs}
+
+
+def check_latest_is_complete(out_dir, previous, previous_digests, model, n_files):
+    """The latest checkpoint is the previous one, untouched, or the new one (step 2), complete."""
+    latest = pacs.latest_checkpoint(out_dir)
+    assert latest is not None, "no checkpoint left"
+    if latest == previous:
+        assert file_digests(latest) == previous_digests, "the previous checkpoint was damaged"
+        return "previous"
+    assert latest.endswith("checkpoint-000002"), latest
+    state = torch.load(os.path.join(latest, "trainer_state.pt"), weights_only=False)
+    assert state["step"] == 2 and len(file_digests(latest)) == n_files
+    from safetensors.torch import load_file
+    saved = load_file(os.path.join(latest, "model.safetensors"))
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items() if k in saved)
+    return "new"
+
+
+@pytest.fixture
+def two_checkpoints(tiny_model_dir, tmp_path):
+    """(cfg, model, tokenizer, optimizer, pristine out dir holding checkpoint 1, its digests, files per checkpoint)
+    with model/optimizer moved on since checkpoint 1, ready to save checkpoint 2."""
+    cfg = make_cfg(tiny_model_dir, tmp_path / "pristine")
+    model, tok = pacs.load_model(tiny_model_dir)
+    optimizer = pacs.make_optimizer(cfg, model)
+    os.makedirs(cfg.out_dir)
+    for step in (1, 2):
+        sum(p.sum() for p in model.parameters()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            previous = pacs.save_checkpoint(cfg, model, tok, optimizer, 1)
+    return cfg, model, tok, optimizer, previous, file_digests(previous), len(file_digests(previous))
+
+
+def test_a_kill_at_any_point_of_a_save_leaves_a_complete_latest_checkpoint(two_checkpoints, tmp_path):
+    cfg, model, tok, optimizer, previous, digests, n_files = two_checkpoints
+    if not KILL["installed"]:
+        sys.addaudithook(_kill_hook)  # audit hooks cannot be removed: one per process, inert when disarmed
+        KILL["installed"] = True
+    outcomes = []
+    for k in range(200):
+        out = tmp_path / f"kill{k}"
+        shutil.copytree(cfg.out_dir, out)
+        run_cfg = copy.copy(cfg)
+        run_cfg.out_dir = str(out)
+        KILL.update(armed=True, at=k, seen=0)
+        try:
+            pacs.save_checkpoint(run_cfg, model, tok, optimizer, 2)
+            killed = False
+        except Killed:
+            killed = True
+        finally:
+            KILL["armed"] = False
+        outcomes.append(check_latest_is_complete(str(out), str(out / os.path.basename(previous)), digests, model,
+                                                 n_files))
+        if not killed:
+            break  # the save ran past its last file-system change: every kill point was tried
+        shutil.rmtree(out)
+    assert not killed and outcomes[-1] == "new"
+    assert len(outcomes) > 5 and "previous" in outcomes  # the kills really landed inside the save
+
+
+def test_a_torn_trainer_state_write_leaves_the_previous_checkpoint_latest(two_checkpoints, monkeypatch):
+    """A kill in the middle of writing a file: it is left half-written, wherever the save put it."""
+    cfg, model, tok, optimizer, previous, digests, n_files = two_checkpoints
+    real_save = torch.save
+
+    def torn_save(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        size = os.path.getsize(f)
+        with open(f, "r+b") as fh:
+            fh.truncate(size // 2)
+        raise Killed(f)
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(Killed):
+        pacs.save_checkpoint(cfg, model, tok, optimizer, 2)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert check_latest_is_complete(cfg.out_dir, previous, digests, model, n_files) == "previous"
