@@ -209,3 +209,30 @@ def test_errors_are_one_line(tiny_model_dir, tiny_problems_file, tmp_path):
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("eval.py: error: no metrics.json")
+
+
+# ---- behaviours the README states: the interval is over problems; resume and reruns never resample ----
+def bootstrap_quantile_all_or_nothing(P, k, q):
+    """Exact q-quantile of the bootstrap avg@n when k of P problems are all right and the rest all wrong:
+    resampling P problems draws K ~ Binomial(P, k/P) all-right ones, so avg@n = K / P."""
+    cdf = 0.0
+    for K in range(P + 1):
+        cdf += math.comb(P, K) * (k / P) ** K * (1 - k / P) ** (P - K)
+        if cdf >= q:
+            return K / P
+
+
+def test_bootstrap_interval_resamples_problems_not_samples():
+    P, n = 10, 4
+    rows = lambda correct: [{"correct": c, "lengths": [1] * n, "truncated": [False] * n} for c in correct]
+    # the same 20 correct samples out of 40, either as 5 all-right + 5 all-wrong problems or 2 per problem
+    split = rows([[True] * n] * 5 + [[False] * n] * 5)
+    even = rows([[True, True, False, False]] * P)
+    for seed in (0, 1, 2):
+        m_split, m_even = ev.dataset_metrics(split, [1], seed), ev.dataset_metrics(even, [1], seed)
+        assert m_split["avg@n"] == m_even["avg@n"] == 0.5
+        # every problem scores 0.5: resampling problems cannot move the mean (samples would: about +-0.15)
+        assert m_even["avg@n_ci95"] == [0.5, 0.5]
+        want = [bootstrap_quantile_all_or_nothing(P, 5, 0.025), bootstrap_quantile_all_or_nothing(P, 5, 0.975)]
+        assert want == [0.2, 0.8]
+        assert m_split["avg@n_ci95"] == pytest.approx(want, abs=1e-9)
