@@ -209,3 +209,86 @@ def test_errors_are_one_line(tiny_model_dir, tiny_problems_file, tmp_path):
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("eval.py: error: no metrics.json")
+
+
+# ---- behaviours the README states: the interval is over problems; resume and reruns never resample ----
+def bootstrap_quantile_all_or_nothing(P, k, q):
+    """Exact q-quantile of the bootstrap avg@n when k of P problems are all right and the rest all wrong:
+    resampling P problems draws K ~ Binomial(P, k/P) all-right ones, so avg@n = K / P."""
+    cdf = 0.0
+    for K in range(P + 1):
+        cdf += math.comb(P, K) * (k / P) ** K * (1 - k / P) ** (P - K)
+        if cdf >= q:
+            return K / P
+
+
+def test_bootstrap_interval_resamples_problems_not_samples():
+    P, n = 10, 4
+    rows = lambda correct: [{"correct": c, "lengths": [1] * n, "truncated": [False] * n} for c in correct]
+    # the same 20 correct samples out of 40, either as 5 all-right + 5 all-wrong problems or 2 per problem
+    split = rows([[True] * n] * 5 + [[False] * n] * 5)
+    even = rows([[True, True, False, False]] * P)
+    for seed in (0, 1, 2):
+        m_split, m_even = ev.dataset_metrics(split, [1], seed), ev.dataset_metrics(even, [1], seed)
+        assert m_split["avg@n"] == m_even["avg@n"] == 0.5
+        # every problem scores 0.5: resampling problems cannot move the mean (samples would: about +-0.15)
+        assert m_even["avg@n_ci95"] == [0.5, 0.5]
+        want = [bootstrap_quantile_all_or_nothing(P, 5, 0.025), bootstrap_quantile_all_or_nothing(P, 5, 0.975)]
+        assert want == [0.2, 0.8]
+        assert m_split["avg@n_ci95"] == pytest.approx(want, abs=1e-9)
+
+
+def test_resume_never_resamples_a_finished_batch_and_a_rerun_with_other_k_samples_nothing(
+        tiny_model_dir, tiny_problems_file, tmp_path, monkeypatch):
+    import pacs
+    out = tmp_path / "run"
+    problems = [json.loads(line) for line in open(tiny_problems_file)]
+
+    class Killed(Exception):
+        pass
+
+    real_append, real_sample = ev.append_row, pacs.sample
+    appended, sampled = [], []
+
+    def dying_append(f, row):
+        if len(appended) == 3:  # killed after t0, t1 (the first batch of 2 problems) and t2
+            raise Killed
+        real_append(f, row)
+        appended.append(row["id"])
+
+    monkeypatch.setattr(ev, "append_row", dying_append)
+    with pytest.raises(Killed):
+        ev.main(eval_args(tiny_model_dir, tiny_problems_file, out))
+    before = (out / "samples.jsonl").read_text().splitlines(keepends=True)
+    assert len(before) == 3
+
+    def counting_sample(model, tokenizer, prompts, *args, **kwargs):
+        sampled.extend(prompts)
+        return real_sample(model, tokenizer, prompts, *args, **kwargs)
+
+    def counting_append(f, row):
+        real_append(f, row)
+        appended.append(row["id"])
+
+    monkeypatch.setattr(ev, "append_row", counting_append)
+    monkeypatch.setattr(pacs, "sample", counting_sample)
+    appended.clear()
+    ev.main(eval_args(tiny_model_dir, tiny_problems_file, out))
+    _, tok = pacs.load_model(tiny_model_dir)
+    prompt = {p["id"]: pacs.build_prompt(tok, p["problem"]) for p in problems}
+    assert prompt["t0"] not in sampled and prompt["t1"] not in sampled  # the finished batch is never redone
+    assert all(prompt[f"t{i}"] in sampled for i in range(3, 8))
+    assert appended == [f"t{i}" for i in range(3, 8)]  # t2 finished before the kill: its row is kept, not redone
+    after = (out / "samples.jsonl").read_text().splitlines(keepends=True)
+    assert after[:3] == before and len(after) == 8
+
+    # everything finished: a rerun with another --k reads samples.jsonl only (no model, no sampling)
+    sampled.clear()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a finished run loaded the model again")
+
+    monkeypatch.setattr(pacs, "load_model", no_model)
+    ev.main(eval_args(tiny_model_dir, tiny_problems_file, out)[:-2] + ["--k", "1", "--out", str(out)])
+    assert sampled == [] and (out / "samples.jsonl").read_text().splitlines(keepends=True) == after
+    assert set(json.loads((out / "metrics.json").read_text())["datasets"]["tiny"]["pass@k"]) == {"1"}

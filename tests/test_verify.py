@@ -21,7 +21,9 @@ import verify
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [json.loads(line) for line in open(ROOT / "tests" / "verify_cases.jsonl", encoding="utf-8") if line.strip()]
-SLOW = (r"e^{e^{e^{e^{x}}}}", r"e^{e^{e^{e^{x}}}}+1")  # ~0.5 s of sympy work: a timeout target
+# A timeout target: equal by Pascal's rule, so False only when the budget stops sympy (~0.7 s of work to
+# settle it on a 2-core CPU: is_equiv(*SLOW, timeout=60) is True).
+SLOW = (r"\binom{x}{300}+\binom{x}{299}", r"\binom{x+1}{300}")
 
 
 def _data_file(name):
@@ -250,7 +252,7 @@ def test_timeout_off_main_thread():
 
     def run():
         start = time.monotonic()
-        out["slow"] = verify.is_equiv(*SLOW, timeout=0.02)  # sympy would need ~0.5 s
+        out["slow"] = verify.is_equiv(*SLOW, timeout=0.02)  # sympy would need ~0.7 s
         out["secs"] = time.monotonic() - start
         out["fine"] = verify.is_equiv(r"\tan^2(y)+1", r"\sec^2(y)")
 
@@ -317,3 +319,29 @@ def test_cli_jsonl(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = subprocess.run([sys.executable, "verify.py", "--jsonl", str(path)], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "accuracy: 2/3" in out and "false negatives: 1" in out and "responses/s" in out
+
+
+# --- the default time budget ----------------------------------------------------------------------
+
+# Pascal's rule: equal for every x, but sympy needs ~5 s to settle it (measured: is_equiv(*PASCAL,
+# timeout=60) is True after 5.0 s on a 2-core CPU). With the default budget the only way to get False is the
+# budget running out.
+PASCAL = (r"\binom{x}{9999}+\binom{x}{9998}", r"\binom{x+1}{9999}")
+
+
+def test_default_budget_is_the_documented_one_and_holds():
+    import inspect
+    import re
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    documented = float(re.search(r"Each comparison gets a ([\d.]+) s budget", readme).group(1))
+    assert verify.TIMEOUT == documented
+    for fn in (verify.verify, verify.is_equiv):
+        assert inspect.signature(fn).parameters["timeout"].default == documented, fn.__name__
+    verify.is_equiv("x+4", "4+x")  # the worker is up: its start (importing sympy) is not timed
+    start = time.monotonic()
+    got = verify.verify(r"so $\boxed{" + PASCAL[0] + "}$", PASCAL[1])  # default timeout
+    secs = time.monotonic() - start
+    assert got is False
+    assert secs >= 0.8 * documented, f"returned in {secs:.2f} s: this pair no longer needs the whole budget"
+    assert secs < documented + 2.0, f"{secs:.2f} s for a {documented} s budget"
+    assert verify.is_equiv("x^2+5", "5+x^2") is True  # and the checker still answers afterwards
