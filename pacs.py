@@ -847,10 +847,16 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
     G, Lp, T, V, H = cfg.group_size, cfg.max_prompt_tokens, cfg.max_new_tokens, c.vocab_size, c.hidden_size
     kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * (
         getattr(c, "head_dim", None) or H // c.num_attention_heads) * a_roll
+    qd = c.num_attention_heads * (getattr(c, "head_dim", None) or H // c.num_attention_heads)
     gen_rows = gen_batch_prompts * G
     mb = micro_batch_size
-    # tokens one micro-batch runs: its distinct prompts once (shared KV cache), each response once
-    tokens = (mb * (Lp + T) if cfg.gradient_checkpointing else -(-mb // G) * Lp + mb * T)
+    # tokens one micro-batch runs: its distinct prompts once (shared KV cache), each response once; with the
+    # shared prompt, attention over the responses still saves every row's copy of the prompt's keys and values
+    if cfg.gradient_checkpointing:
+        activations = mb * (Lp + T) * _activation_bytes_per_token(c, a, True)
+    else:
+        activations = ((-(-mb // G) * Lp + mb * T) * _activation_bytes_per_token(c, a)
+                       + mb * Lp * c.num_hidden_layers * 2 * a * qd)
     parts = {
         "weights (fp32)": 4 * n_params,
         "AdamW moments (fp32)": 8 * n_params,
@@ -862,9 +868,10 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         # update phase
         "gradients (fp32)": 4 * n_params,
         "bf16 weight casts": 2 * (n_params - V * H) if a == 2 else 0,  # autocast's copies, held until backward
-        "activations of a micro-batch": tokens * _activation_bytes_per_token(c, a, cfg.gradient_checkpointing),
-        # logits, their fp32 copy and softmax, its gradient; the bf16 cast of the LM head on CUDA
-        "logits chunk": min(LOGITS_CHUNK, mb * T) * V * (a + 12) + (2 * V * H if a == 2 else 0),
+        "activations of a micro-batch": activations,
+        # logits, their fp32 copy and softmax, their gradient; the LM head's weight gradient before it is
+        # added to .grad (fp32; bf16 first on CUDA) and its bf16 cast on CUDA
+        "logits chunk": min(LOGITS_CHUNK, mb * T) * V * (a + 12) + V * H * (4 + (4 if a == 2 else 0)),
     }
     always = parts["weights (fp32)"] + parts["AdamW moments (fp32)"] + parts["rollout copy"]
     parts["peak: generate"] = always + sum(v for k, v in parts.items() if k.startswith(("KV", "generate")))

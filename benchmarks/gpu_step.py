@@ -136,12 +136,14 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, __file__, "--_build", tmp, "--model-dir", args.model_dir,
                         *(["--tiny"] if args.tiny else [])], check=True)
-        rss_libs = rss_bytes()  # process memory before the model: interpreter, torch, transformers
         try:
             model, rollout_model, tokenizer = pacs.setup_model(cfg, tmp, device)
         except pacs.ConfigError as e:
             sys.exit(f"gpu_step.py: error: {e}")
     n_params = sum(p.numel() for p in model.parameters())
+    # CPU: what the process holds besides the weights once loaded (interpreter, torch, transformers, the
+    # tokenizer); the plan predicts the tensors on top of it
+    rss_base = rss_bytes() - 4 * n_params
     plan = pacs.memory_plan(cfg, model.config, n_params, device.type, cfg.micro_batch_size, cfg.gen_batch_prompts)
     problems = fixed_length_prompts(tokenizer, cfg.prompts_per_step * (1 + args.timed_steps), cfg.max_prompt_tokens,
                                     args.data_dir)
@@ -168,7 +170,7 @@ def main():
     peak_tflops = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
     flops = update_flops(model.config, n_params, cfg.max_prompt_tokens, T, B, cfg.prompts_per_step)
     measured = max(r["peak_bytes"] for r in rows)
-    predicted = plan["peak"] + (rss_libs if device.type == "cpu" else 0)  # CPU: RSS also holds the libraries
+    predicted = plan["peak"] + (rss_base if device.type == "cpu" else 0)  # CPU: RSS also holds the libraries
     result = {
         "device": name, "params": n_params, "prompts": cfg.prompts_per_step, "group_size": cfg.group_size,
         "prompt_tokens": cfg.max_prompt_tokens, "response_tokens": T, "micro_batch_size": cfg.micro_batch_size,
@@ -177,6 +179,7 @@ def main():
         "old_logprobs_s": mean("time_old_logprobs"), "update_s": mean("time_update"),
         "generated_tokens_per_s": B * T / mean("time_generate"),
         "peak_gib": measured / pacs.GiB, "plan_gib": predicted / pacs.GiB, "peak_over_plan": measured / predicted,
+        "rss_base_gib": rss_base / pacs.GiB if device.type == "cpu" else None,
         "update_tflops": flops / mean("time_update") / 1e12,
         "update_mfu": flops / mean("time_update") / (peak_tflops * 1e12) if peak_tflops else None,
         "projected_run_h": mean("step_time") * args.total_steps / 3600,
@@ -190,7 +193,8 @@ def main():
     print(f"generated tokens/s {result['generated_tokens_per_s']:.0f} | update {result['update_tflops']:.1f} "
           f"TFLOP/s, MFU {mfu}")
     print(f"peak memory {result['peak_gib']:.2f} GiB ({'max_memory_allocated' if device.type == 'cuda' else 'peak RSS'})"
-          f" vs plan {result['plan_gib']:.2f} GiB{' (+ libraries)' if device.type == 'cpu' else ''}: "
+          f" vs plan {result['plan_gib']:.2f} GiB"
+          f"{f' (incl. {rss_base / pacs.GiB:.2f} of libraries)' if device.type == 'cpu' else ''}: "
           f"measured / plan = {result['peak_over_plan']:.3f}")
     print(f"projected {args.total_steps} steps: {result['projected_run_h']:.1f} h (no in-loop eval, no checkpoints)")
     if args.json:
