@@ -142,7 +142,10 @@ def main():
             sys.exit(f"gpu_step.py: error: {e}")
     n_params = sum(p.numel() for p in model.parameters())
     # CPU: what the process holds besides the weights once loaded (interpreter, torch, transformers, the
-    # tokenizer); the plan predicts the tensors on top of it
+    # tokenizer); the plan predicts the tensors on top of it. safetensors maps the weights lazily: read every
+    # page first, so that they are resident (and counted once) before the baseline is taken
+    with torch.no_grad():
+        sum(float(p.sum()) for p in model.parameters())
     rss_base = rss_bytes() - 4 * n_params
     plan = pacs.memory_plan(cfg, model.config, n_params, device.type, cfg.micro_batch_size, cfg.gen_batch_prompts)
     problems = fixed_length_prompts(tokenizer, cfg.prompts_per_step * (1 + args.timed_steps), cfg.max_prompt_tokens,
