@@ -2,7 +2,12 @@
 
 One file, the whole trainer: sample G responses per prompt with HF `generate`, label each with the
 rule-based verifier (verify.py), score each response with the policy's own log-ratio, and train the
-policy with a class-balanced binary cross-entropy on that score. Read `pacs_loss` first.
+policy with a class-balanced binary cross-entropy on that score.
+
+Reading order: Config -> the loss and its derivation (pacs_score, class_balance_weights, pacs_loss) ->
+the baselines (grpo_loss, reinforce_loss, algo_loss) -> one training step (train_step, five numbered
+phases) -> the loop (train, main). Below the PLUMBING banner: data, models, sampling, log-probs, the
+memory plan, checkpoints and flags; skip it on a first read.
 
 Run it:
     # GPU, the paper's setting at 0.5B scale (needs the Hugging Face hub):
@@ -97,7 +102,15 @@ class ConfigError(Exception):
 # =====================================================================================================
 # The PACS loss. Pure torch, no project imports: copy these three functions into your trainer.
 #
-# Shapes: B = number of responses (a multiple of G), T = response length, G = group size.
+# Shapes, in this block and in every `# (B, T)` comment below:
+#   G  group size: responses per prompt               P  prompts per rollout (--prompts-per-step)
+#   B  responses in a batch, a multiple of G          M  mini-batches (optimizer steps) per rollout
+#   N  rows one sample() call returns (prompts x G)   b  rows of one forward: a micro-batch of mb rows
+#   T  response length (padded); t a position in it   Lp  prompt length (left-padded)
+#   H  hidden size                                    V  vocabulary size
+#   n  a count local to its function: real response tokens in response_logprobs, prompts per generate call
+#      in _generate; T_full the response width before response_logprobs trims all-padding columns
+#   i, j, k  rows (responses) in the derivation; in class_balance_weights k counts a group's correct ones
 # Rows i*G ... i*G+G-1 are the G responses to prompt i.
 #
 # Why a supervised loss is a policy gradient (paper Sec. 3; the derivation the test suite checks):
@@ -220,17 +233,17 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     t0 = time.time()
     batch = [problems[i] for i in batch_indices(step, len(problems), P, cfg.seed)]
     prompts = [build_prompt(tokenizer, p["problem"]) for p in batch]
-    # ---- 1. sample G responses per prompt from pi_old --------------------------------------------------
+    # ---- 1. sample: G responses per prompt from pi_old (PACS in ten lines: 1) ---------------------------
     roll = sample(rollout_model or model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
                   batch_prompts=cfg.gen_batch_prompts)
     roll = {k: v.to(device) for k, v in roll.items()}
     t_gen = time.time()
-    # ---- 2. verify: R in {0, 1} -------------------------------------------------------------------------
+    # ---- 2. verify: R in {0, 1} per response (ten lines: 2) ---------------------------------------------
     texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
     rewards = reward_fn(texts, [p["answer"] for p in batch for _ in range(G)]).to(device)  # (B,)
     t_verify = time.time()
 
-    # ---- 3. old_logprobs: pi_old's log-probs of the sampled tokens -------------------------------------
+    # ---- 3. pi_old log-probs: old_logprobs, the reference of r_hat (ten lines: 3) -----------------------
     # Recomputed by the training model from the same temperature-scaled logits the loss uses (not generate's
     # scores). Mini-batch 0 is trained before any update, i.e. at pi_old itself: its old_logprobs are the
     # detached log-probs of its own training forward (no extra pass, and psi is exactly 0 there, bit for bit).
@@ -256,7 +269,10 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
             _retry_smaller(cfg, f"step {step}: old log-probs", e)
     t_old = time.time()
 
-    # ---- 4. M optimizer steps per rollout, each on a mini-batch of whole groups ------------------------
+    # ---- 4. M updates: an AdamW step per mini-batch of whole groups (ten lines: 3-7, 9-10) --------------
+    # accumulate_mini_batch runs algo_loss (for PACS: r_hat, psi, the weighted BCE) and its backward.
+    # Mini-batch 0 sees pi_theta == pi_old (psi == 0: a group-baseline REINFORCE step); later ones see
+    # psi != 0, where the critic sigma(psi) acts.
     model.train()
     losses, grad_norms, skipped, psis = [], [], 0, []
     for m in range(M):
@@ -288,7 +304,7 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     model.eval()
     t_end = time.time()
 
-    # ---- 5. metrics ---------------------------------------------------------------------------------------
+    # ---- 5. metrics: step_metrics, timings, a few examples ----------------------------------------------
     metrics = step_metrics(step, roll, rewards, mask, G, entropy_sum, losses, grad_norms, skipped,
                            torch.cat(psis) if psis else None)
     metrics.update({"micro_batch_size": cfg.micro_batch_size,
