@@ -34,9 +34,11 @@ import sys
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 import pacs
 from pacs import ConfigError
+from verify import extract_answer, verify
 
 # the settings a run's samples depend on: a resumed run must match them, or it would mix two experiments
 SAMPLE_KEYS = ("model", "n", "temperature", "top_p", "max_new_tokens", "seed")
@@ -195,8 +197,6 @@ def check_run_config(args, has_rows):
 
 
 def evaluate(args):
-    from tqdm.auto import tqdm
-    from verify import extract_answer, verify
     for flag, ok in (("n", args.n >= 1), ("batch-size", args.batch_size >= 1), ("limit", args.limit >= 0),
                      ("temperature", args.temperature > 0), ("top-p", 0 < args.top_p <= 1),
                      ("max-new-tokens", args.max_new_tokens >= 1), ("device", args.device in ("auto", "cpu", "cuda"))):

