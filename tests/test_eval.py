@@ -104,6 +104,20 @@ def read_rows(path):
         return [json.loads(line) for line in f]
 
 
+def test_flags_come_from_a_dataclass_as_in_pacs_py():
+    """eval.py declares its flags as pacs.py does (a dataclass, one help per field, lines within 110 columns),
+    parsed by the same pacs.flags_from_dataclass; --report still takes one or more directories."""
+    import dataclasses
+    import inspect
+    for cls in (ev.pacs.Config, ev.EvalConfig):
+        assert all(f.metadata["help"] for f in dataclasses.fields(cls)), cls.__name__
+        assert max(len(line) for line in inspect.getsource(cls).splitlines()) <= 110, cls.__name__
+    args = ev.parse_args(["--report", "runs/a", "runs/b", "--top-p", "0.5", "--n", "4"])
+    assert isinstance(args, ev.EvalConfig)
+    assert (args.report, args.top_p, args.n, args.report_out) == (["runs/a", "runs/b"], 0.5, 4, "report.png")
+    assert ev.parse_args([]).report is None
+
+
 def test_end_to_end_writes_samples_and_metrics(tiny_model_dir, tiny_problems_file, tmp_path, capsys):
     from verify import verify
     ev.main(eval_args(tiny_model_dir, tiny_problems_file, tmp_path / "run"))

@@ -236,6 +236,24 @@ def test_import_has_no_side_effects():
     assert out.stdout.split() == ["False", "False"], out.stderr  # heavy imports happen only when used
 
 
+def test_pacs_py_reads_in_order_with_the_plumbing_last():
+    """A first read goes config -> loss -> baselines -> one training step -> the loop; data, models, sampling,
+    log-probs, memory plan, checkpoints and flags sit below the PLUMBING banner. Python resolves names at call
+    time, so nothing but this test keeps that order."""
+    import ast
+    with open(os.path.join(ROOT, "pacs.py"), encoding="utf-8") as f:
+        src = f.read()
+    line = {n.name: n.lineno for n in ast.parse(src).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    plumbing = [i for i, text in enumerate(src.splitlines(), 1) if text.startswith("# PLUMBING: skip on a first read")]
+    reading = ["Config", "pacs_score", "class_balance_weights", "pacs_loss", "grpo_loss", "reinforce_loss",
+               "algo_loss", "train_step", "accumulate_mini_batch", "step_metrics", "train", "main"]
+    assert [line[n] for n in reading] == sorted(line[n] for n in reading)
+    assert len(plumbing) == 1 and line["main"] < plumbing[0]
+    for name in ("load_problems", "load_model", "sample", "response_logprobs", "memory_plan", "save_checkpoint",
+                 "parse_args"):
+        assert line[name] > plumbing[0], name
+
+
 def test_shared_prompt_forward_matches_full_forwards(tiny_model_dir):
     """group_size > 1 runs each prompt once and shares its KV cache: same log-probs and same gradient."""
     model, tok = pacs.load_model(tiny_model_dir)
