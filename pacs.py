@@ -717,17 +717,24 @@ def _gguf_to_hf_dir(path):
     return cache
 
 
-def load_model(name, device="cpu", dtype=torch.float32):
-    """(model, tokenizer) from a hub id, a local dir, a .gguf file or 'smollm2'. Left padding for generate."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def resolve_model_path(name):
+    """What from_pretrained loads for a model name: a hub id or a directory as given, a .gguf file or
+    'smollm2' as its dequantised directory (cached); a path that does not exist is a ConfigError."""
     if name == "smollm2":
         name = smollm2_gguf_path()
     if name.endswith(".gguf"):
         if not os.path.isfile(name):
             raise ConfigError(f"GGUF file not found: {name}")
-        name = _gguf_to_hf_dir(name)
-    elif not os.path.exists(name) and (name.startswith((".", "/", "~")) or name.count("/") != 1):
+        return _gguf_to_hf_dir(name)
+    if not os.path.exists(name) and (name.startswith((".", "/", "~")) or name.count("/") != 1):
         raise ConfigError(f"model path not found: {name} (expected a hub id 'org/name', a directory or a .gguf file)")
+    return name
+
+
+def load_model(name, device="cpu", dtype=torch.float32):
+    """(model, tokenizer) from a hub id, a local dir, a .gguf file or 'smollm2'. Left padding for generate."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    name = resolve_model_path(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
@@ -742,12 +749,7 @@ def load_model(name, device="cpu", dtype=torch.float32):
 def load_model_config(name):
     """The architecture (config.json) of what load_model would load, without its weights."""
     from transformers import AutoConfig
-    if name == "smollm2":
-        name = smollm2_gguf_path()
-    if name.endswith(".gguf"):
-        if not os.path.isfile(name):
-            raise ConfigError(f"GGUF file not found: {name}")
-        name = _gguf_to_hf_dir(name)
+    name = resolve_model_path(name)
     try:
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
