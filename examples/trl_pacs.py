@@ -271,7 +271,7 @@ def accuracy(completions, answer, **kwargs):
 
 
 def metrics_logger(path):
-    """A TrainerCallback: one pacs.py-style line per logged step, and every log row in OUT/metrics.jsonl."""
+    """A TrainerCallback: one pacs.py-style line per logged training step, and its log row in OUT/metrics.jsonl."""
     from transformers import TrainerCallback
 
     class MetricsLogger(TrainerCallback):
