@@ -145,7 +145,7 @@ def claim_sentence(a, b, metric, n, boot, t):
         verdict, t_agrees = f"includes zero: {a} and {b} do not separate", t[1] <= 0 <= t[2]
     note = "" if t_agrees else (f" (the paired t-interval, [{t[1]:+.3f}, {t[2]:+.3f}], "
                                 f"{'excludes' if t[1] > 0 or t[2] < 0 else 'includes'} zero)")
-    return f"{head} {verdict}{note}."
+    return f"{head}; it {verdict}{note}."
 
 
 def final_mean(rows, key, last):

@@ -220,6 +220,25 @@ def test_methods_are_the_papers_runs():
     assert flags["grpo"] == "--algo grpo" and flags["reinforce"] == "--algo reinforce"
 
 
+def test_every_methods_command_is_a_valid_pacs_config(tmp_path):
+    """pacs.py parses each run's command into the config the method names (no training)."""
+    import pacs
+    args = trend.parse_args(["--out", str(tmp_path), "--pacs-args", "--micro-batch-size 8"])
+    trend.check_args(args)
+    want = {"pacs": ("pacs", 1.0, "rloo", True), "pacs-beta2": ("pacs", 2.0, "rloo", True),
+            "pacs-est-grpo": ("pacs", 1.0, "grpo", True), "pacs-est-drgrpo": ("pacs", 1.0, "drgrpo", True),
+            "pacs-no-balance": ("pacs", 1.0, "rloo", False)}
+    for method in trend.METHODS:
+        cfg = pacs.parse_args(trend.train_command(args, method, 3)[2:])
+        pacs.check_config(cfg)
+        assert (cfg.seed, cfg.num_mini_batches, cfg.prompts_per_step, cfg.micro_batch_size) == (3, 4, 4, 8)
+        assert cfg.resume and cfg.out_dir == os.path.join(str(tmp_path), f"{method}-s3")
+        if method in want:
+            assert (cfg.algo, cfg.beta, cfg.estimator, cfg.balance) == want[method]
+        else:
+            assert cfg.algo == method
+
+
 # ---- end to end, in process, on the tiny model --------------------------------------------------------
 def test_tiny_sweep_end_to_end(tmp_path, monkeypatch, tiny_model_dir):
     """The real pacs.py and eval.py, called through their command lines in this process (no second torch
