@@ -373,13 +373,15 @@ def write_summary(args, runs, missing, stats, base):
     return text
 
 
-def shaded(ax, x, curves, label):
-    """Mean over seeds (rows of curves) with its 95% t-interval shaded."""
+def shaded(ax, x, curves, label, bounds=(-math.inf, math.inf)):
+    """Mean over seeds (rows of curves) with its 95% t-interval shaded, the band cut to the values the
+    metric can take (with few seeds a t-interval of a rate reaches below 0 and above 1)."""
     curves = np.asarray(curves, dtype=float)  # (seeds, len(x))
     stats = np.array([t_interval(col) for col in curves.T])  # (len(x), 3)
     (line,) = ax.plot(x, stats[:, 0], label=f"{label} (n={len(curves)})")
     if len(curves) > 1:
-        ax.fill_between(x, stats[:, 1], stats[:, 2], alpha=0.2, color=line.get_color())
+        ax.fill_between(x, np.clip(stats[:, 1], *bounds), np.clip(stats[:, 2], *bounds), alpha=0.2,
+                        color=line.get_color())
 
 
 def plot(args, runs, base):
@@ -392,16 +394,19 @@ def plot(args, runs, base):
              f"M = {args.num_mini_batches}, {args.steps} steps; mean over seeds, 95% t-interval shaded")
 
     datasets = list(next(iter(next(iter(runs.values())).values()))["eval"])
-    fig, axes = plt.subplots(1, len(datasets), figsize=(4.6 * len(datasets), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(datasets), figsize=(max(4.6 * len(datasets), 8), 4), squeeze=False)
     shown = [m for m in PASSK_FIGURE_METHODS if m in runs] or list(runs)
     ks = np.arange(1, args.eval_n + 1)
     for ax, ds in zip(axes[0], datasets):
         if base and ds in base:
             ax.plot(ks, [base[ds][k] for k in ks], "k--", label="base model")
         for method in shown:
-            shaded(ax, ks, [[r["eval"][ds][k] for k in ks] for r in runs[method].values()], method)
+            shaded(ax, ks, [[r["eval"][ds][k] for k in ks] for r in runs[method].values()], method, (0, 1))
         ax.set(title=f"{ds}: held-out pass@k", xlabel="k (samples per problem)", ylabel="pass@k")
         ax.set_xscale("log", base=2)
+        ticks = sorted({2 ** i for i in range(args.eval_n.bit_length()) if 2 ** i <= args.eval_n} | {args.eval_n})
+        ax.set_xticks(ticks, [str(k) for k in ticks])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
@@ -413,8 +418,9 @@ def plot(args, runs, base):
     for ax, key, label in zip(axes, ("entropy", "reward"), ("token-mean entropy", "training reward")):
         for method, by_seed in runs.items():
             curves = [[row[key] for row in r["rows"]] for r in by_seed.values()]
-            shaded(ax, np.arange(len(curves[0])), curves, method)
+            shaded(ax, np.arange(len(curves[0])), curves, method, (0, 1) if key == "reward" else (0, math.inf))
         ax.set(title=f"{label} against step", xlabel="step")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
