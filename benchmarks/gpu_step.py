@@ -132,6 +132,12 @@ def main():
         sys.exit(f"gpu_step.py: error: {e}")
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if cfg.device == "auto" else cfg.device))
+    if device.type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        # On the CPU the peak is read from the resident set size. glibc keeps freed blocks below its (dynamic,
+        # up to 32 MB) mmap threshold in the heap, so the RSS would count allocator fragmentation that CUDA's
+        # max_memory_allocated never sees. Restart with every block over 64 KiB mapped and unmapped on its own.
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"})
     torch.manual_seed(cfg.seed)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, __file__, "--_build", tmp, "--model-dir", args.model_dir,
