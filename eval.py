@@ -210,10 +210,7 @@ def check_run_config(args, has_rows):
     path = os.path.join(args.out, "config.json")
     mine = {k: getattr(args, k) for k in SAMPLE_KEYS}
     if has_rows and os.path.isfile(path):
-        with open(path) as f:
-            theirs = json.load(f)
-        diff = [f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {mine[k]!r} now" for k in SAMPLE_KEYS
-                if theirs.get(k) != mine[k]]
+        diff = pacs.changed_settings(path, mine)
         if diff:
             raise ConfigError(f"{args.out} holds samples taken with other settings ({'; '.join(diff)}); use another --out")
     else:

@@ -1119,6 +1119,15 @@ def latest_checkpoint(out_dir):
     return done[-1] if done else None
 
 
+def changed_settings(path, settings):
+    """The settings whose value in the JSON file `path` (an earlier run's) differs from `settings`, as
+    '--flag OLD there, NEW now' strings; [] when they all agree. Resumable scripts refuse to mix the two."""
+    with open(path) as f:
+        saved = json.load(f)
+    return [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {v!r} now" for k, v in settings.items()
+            if saved.get(k) != v]
+
+
 # =====================================================================================================
 # Flags, optimizer, model setup
 # =====================================================================================================

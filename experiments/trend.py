@@ -218,10 +218,7 @@ def check_sweep_file(args):
     mine = {k: getattr(args, k) for k in SWEEP_KEYS}
     path = os.path.join(args.out, "sweep.json")
     if os.path.isfile(path):
-        with open(path) as f:
-            theirs = json.load(f)
-        diff = [f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {mine[k]!r} now" for k in SWEEP_KEYS
-                if theirs.get(k) != mine[k]]
+        diff = pacs.changed_settings(path, mine)
         if diff:
             raise SweepError(f"{args.out} holds runs made with other settings ({'; '.join(diff)}); use another --out")
     else:
