@@ -1,6 +1,5 @@
 """The memory-bounded update (groups split across micro-batches, the LM head in chunks), out-of-memory
 retries, the bf16 rollout copy, time-based checkpoints, the memory plan and the GPU benchmark's smoke mode."""
-import copy
 import json
 import os
 import subprocess

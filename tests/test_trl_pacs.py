@@ -9,7 +9,6 @@ import torch
 
 pytest.importorskip("trl", reason="TRL is not installed: pip install -r examples/requirements.txt")
 
-import pacs  # noqa: E402
 from trl_fixed_rollout import PROBLEMS, make_rollout, run_pacs, run_trl  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
