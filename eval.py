@@ -242,8 +242,7 @@ def evaluate(args):
             if any((name, p["id"]) not in done for p in problems[s:s + per_batch])]
     total = sum(len(p) for p in data.values())
     if todo:
-        device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                              ("cpu" if args.device == "auto" else args.device))
+        device = pacs.resolve_device(args.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model, tokenizer = pacs.load_model(args.model, device, dtype)
         left = sum(1 for name, b in todo for p in b if (name, p["id"]) not in done)

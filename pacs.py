@@ -463,8 +463,7 @@ def train(cfg):
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
+    device = resolve_device(cfg.device)
     if cfg.plan_only:  # the plan needs the architecture only: config.json, no weights, no device
         model_config = load_model_config(cfg.model)
         return plan_memory(cfg, model_config, count_parameters(model_config), device.type)
@@ -718,6 +717,13 @@ def _gguf_to_hf_dir(path):
     return cache
 
 
+def resolve_device(name):
+    """torch.device for a --device flag: 'auto' is CUDA when there is a GPU, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def resolve_model_path(name):
     """What from_pretrained loads for a model name: a hub id or a directory as given, a .gguf file or
     'smollm2' as its dequantised directory (cached); a path that does not exist is a ConfigError."""
@@ -961,12 +967,17 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
 GiB = 2 ** 30
 
 
+def head_dim(c):
+    """Per-head width of a decoder config (head_dim where the config sets it, else hidden / heads)."""
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
 def _activation_bytes_per_token(c, a, checkpointing=False):
     """Bytes autograd keeps for backward per token of a Llama/Qwen2-style decoder, counted op by op from
     transformers' Qwen2 layer with SDPA attention (a = 2: bf16 autocast, 4: fp32). Against torch's own saved
     tensors at the Qwen2.5-0.5B shape: 122.6 vs 118.5 KB/token/layer in fp32, 76.5 vs 73.9 under autocast."""
     H, I, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
-    qd = c.num_attention_heads * (getattr(c, "head_dim", None) or H // c.num_attention_heads)
+    qd = c.num_attention_heads * head_dim(c)
     layer = (16 * H                          # two RMSNorms, in fp32: input and normalised input
              + (3 if a == 2 else 1) * a * H  # q/k/v input (autocast casts it once per projection)
              + 4 * a * qd                    # q, k and v repeated to every head, attention output (SDPA)
@@ -984,9 +995,8 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
     a = 2 if device_type == "cuda" else 4  # bytes of an activation: bf16 autocast on CUDA, fp32 on CPU
     a_roll = 2 if _rollout_dtype(cfg, device_type) == torch.bfloat16 else 4
     G, Lp, T, V, H = cfg.group_size, cfg.max_prompt_tokens, cfg.max_new_tokens, c.vocab_size, c.hidden_size
-    kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * (
-        getattr(c, "head_dim", None) or H // c.num_attention_heads) * a_roll
-    qd = c.num_attention_heads * (getattr(c, "head_dim", None) or H // c.num_attention_heads)
+    kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim(c) * a_roll
+    qd = c.num_attention_heads * head_dim(c)
     gen_rows = gen_batch_prompts * G
     mb = micro_batch_size
     # tokens one micro-batch runs: its distinct prompts once (shared KV cache), each response once; with the

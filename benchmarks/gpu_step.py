@@ -98,7 +98,7 @@ def peak_bytes(device):
 def update_flops(config, n_params, prompt_tokens, response_tokens, rows, groups):
     """Model FLOPs of the update phase (forward + backward = 3x forward; recomputation not counted)."""
     H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    qd = config.num_attention_heads * (getattr(config, "head_dim", None) or H // config.num_attention_heads)
+    qd = config.num_attention_heads * pacs.head_dim(config)
     matmul_params = n_params - V * H  # the embedding lookup is free; the (tied) LM head is counted below
     tokens = groups * prompt_tokens + rows * response_tokens  # each prompt once per group (shared KV cache)
     S = prompt_tokens + response_tokens
@@ -129,8 +129,7 @@ def main():
         pacs.check_config(cfg)
     except pacs.ConfigError as e:
         sys.exit(f"gpu_step.py: error: {e}")
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
+    device = pacs.resolve_device(cfg.device)
     if device.type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         # On the CPU the peak is read from the resident set size. glibc keeps freed blocks below its (dynamic,
         # up to 32 MB) mmap threshold in the heap, so the RSS would count allocator fragmentation that CUDA's

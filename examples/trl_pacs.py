@@ -247,15 +247,6 @@ class ScriptArguments:
     data_dir: str = field(default="", metadata={"help": "offline JSONL copies of the presets (as pacs.py --data-dir)"})
 
 
-def resolve_model(name):
-    """A plain HF dir for 'smollm2' / .gguf (dequantised once and cached by pacs), else the name itself."""
-    if name == "smollm2":
-        return pacs._gguf_to_hf_dir(pacs.smollm2_gguf_path())
-    if name.endswith(".gguf"):
-        return pacs._gguf_to_hf_dir(name)
-    return name
-
-
 def build_dataset(name, data_dir=""):
     """TRL's conversational prompts, the same user turn as pacs.build_prompt (problem + PROMPT_SUFFIX)."""
     import datasets
@@ -307,7 +298,7 @@ def main(argv=None):
                         logging_steps=1, disable_tqdm=True, **{checkpointing: on_gpu})
     script, config = parser.parse_args_into_dataclasses(args=argv)
     try:
-        model_dir = resolve_model(script.model)
+        model_dir = pacs.resolve_model_path(script.model)
         dataset = build_dataset(script.dataset, script.data_dir)
     except pacs.ConfigError as e:
         sys.exit(f"trl_pacs.py: error: {e}")
