@@ -274,9 +274,8 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
             with torch.no_grad(), _autocast(device):
                 mb = cfg.micro_batch_size
                 for sl in _micro_slices(slice(rows_per_mini, B), mb):
-                    lp, ent = response_logprobs(model, roll["prompt_ids"][sl], roll["prompt_mask"][sl],
-                                                roll["response_ids"][sl], roll["response_mask"][sl], cfg.temperature,
-                                                with_entropy=True, group_size=min(G, mb))
+                    lp, ent = response_logprobs(model, *_rows(roll, sl), cfg.temperature, with_entropy=True,
+                                                group_size=min(G, mb))
                     old_logprobs[sl] = lp
                     entropy_sum += (ent * mask[sl]).sum()
             break
@@ -337,20 +336,21 @@ def accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini, f
     cfg.micro_batch_size rows; gradients accumulate in .grad. On the first mini-batch (pi_theta == pi_old)
     it also fills old_logprobs[mini]. Returns (loss, psi or None, entropy sum), tensors."""
     G, mb, autocast = cfg.group_size, cfg.micro_batch_size, _autocast(device)
-    rows = lambda sl: [roll[k][sl] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
     total, psis, entropy = 0.0, [], torch.zeros((), device=device)
     if mb % G == 0:
         # whole groups in each micro-batch: each micro-batch's loss is computed and backpropagated directly
         for sl in _micro_slices(mini, mb):
             with autocast:
-                lp, ent = response_logprobs(model, *rows(sl), cfg.temperature, with_entropy=first, group_size=G)
+                lp, ent = response_logprobs(model, *_rows(roll, sl), cfg.temperature, with_entropy=first,
+                                            group_size=G)
             if first:  # its own detached log-probs are pi_old's: psi == 0 bit for bit, and no extra pass
                 old_logprobs[sl] = lp.detach()
                 entropy = entropy + (ent * mask[sl]).sum()
             loss = algo_loss(cfg, lp, old_logprobs[sl], mask[sl], rewards[sl]) * _loss_share(cfg, mask, sl, mini)
             loss.backward()
             total = total + loss.detach()
-            psis.append(pacs_score(lp.detach(), old_logprobs[sl], mask[sl], G, cfg.beta, cfg.estimator))
+            if cfg.algo == "pacs":
+                psis.append(pacs_score(lp.detach(), old_logprobs[sl], mask[sl], G, cfg.beta, cfg.estimator))
     else:
         # A group split over G/mb micro-batches. The loss couples a group's rows (psi centres r_hat in the
         # group), but it depends on the weights only through the group's log-probs, so by the chain rule
@@ -360,8 +360,8 @@ def accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini, f
         # 3) backpropagate dL/dlogprobs through the model mb rows at a time (one more forward per row).
         for g in _micro_slices(mini, G):
             with torch.no_grad(), autocast:
-                parts = [response_logprobs(model, *rows(sl), cfg.temperature, with_entropy=first, group_size=mb)
-                         for sl in _micro_slices(g, mb)]
+                parts = [response_logprobs(model, *_rows(roll, sl), cfg.temperature, with_entropy=first,
+                                           group_size=mb) for sl in _micro_slices(g, mb)]
             lp = torch.cat([p[0] for p in parts]).requires_grad_()  # (G, T), a leaf
             if first:
                 old_logprobs[g] = lp.detach()
@@ -370,11 +370,12 @@ def accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini, f
             (dlogprobs,) = torch.autograd.grad(loss, lp)  # (G, T)
             for sl in _micro_slices(g, mb):
                 with autocast:
-                    lp_rows, _ = response_logprobs(model, *rows(sl), cfg.temperature, group_size=mb)
+                    lp_rows, _ = response_logprobs(model, *_rows(roll, sl), cfg.temperature, group_size=mb)
                 lp_rows.backward(dlogprobs[sl.start - g.start:sl.stop - g.start])
             total = total + loss.detach()
-            psis.append(pacs_score(lp.detach(), old_logprobs[g], mask[g], G, cfg.beta, cfg.estimator))
-    psi = torch.cat(psis) if cfg.algo == "pacs" else None
+            if cfg.algo == "pacs":
+                psis.append(pacs_score(lp.detach(), old_logprobs[g], mask[g], G, cfg.beta, cfg.estimator))
+    psi = torch.cat(psis) if psis else None
     return total, psi, entropy
 
 
@@ -412,6 +413,11 @@ def batch_indices(step, n_problems, per_step, seed):
         perm = torch.randperm(n_problems, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
         out.append(int(perm[i]))
     return out
+
+
+def _rows(roll, sl):
+    """The rollout's rows sl as response_logprobs takes them: prompt/response ids and masks."""
+    return [roll[k][sl] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
 
 
 def _micro_slices(rows, size):
@@ -1009,7 +1015,7 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
     parts = {
         "weights (fp32)": 4 * n_params,
         "AdamW moments (fp32)": 8 * n_params,
-        "rollout copy": 2 * n_params if a_roll == 2 and device_type == "cuda" else 0,
+        "rollout copy": 2 * n_params if a_roll == 2 else 0,  # setup_model copies whenever it is not fp32
         # generate phase
         "KV cache of one generate call": gen_rows * (Lp + T) * kv_per_token,
         "generate: sampling logits": gen_rows * V * 4 * 3,  # fp32 logits, processed logits, probabilities

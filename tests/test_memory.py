@@ -240,3 +240,16 @@ def test_a_mini_batch_holds_no_gradient_of_the_one_before(digit_model, tmp_path,
     monkeypatch.setattr(pacs, "accumulate_mini_batch", check_then_accumulate)
     run(digit_model, tmp_path, "--steps", "2", "--micro-batch-size", "4")
     assert len(alive) == 4 and alive == [0, 0, 0, 0]
+
+
+@needs_qwen
+@pytest.mark.parametrize("device_type, rollout_dtype, copy", [("cuda", "auto", True), ("cpu", "auto", False),
+                                                               ("cpu", "bf16", True), ("cuda", "fp32", False)])
+def test_the_plan_counts_a_rollout_copy_exactly_when_setup_model_makes_one(device_type, rollout_dtype, copy):
+    config = pacs.load_model_config(QWEN)
+    n = pacs.count_parameters(config)
+    cfg = pacs.Config(rollout_dtype=rollout_dtype)
+    parts = pacs.memory_plan(cfg, config, n, device_type, 8, 1)
+    assert parts["rollout copy"] == (2 * n if copy else 0)
+    # setup_model copies exactly when the rollout dtype is not fp32
+    assert (pacs._rollout_dtype(cfg, device_type) != torch.float32) == copy
