@@ -53,8 +53,8 @@ def build_standin(model_dir, out, tiny, seed=0):
 def fixed_length_prompts(tokenizer, n, length, data_dir):
     """n chat-template prompts of exactly `length` tokens, made of MATH problems (synthetic ones offline)."""
     path = os.path.join(data_dir, "math_train.jsonl")
-    texts = ([json.loads(line)["problem"] for line in open(path)] if os.path.isfile(path)
-             else [p["problem"] for p in pacs.synthetic_problems(1000, 0)])
+    rows = pacs.load_problems(path) if os.path.isfile(path) else pacs.synthetic_problems(1000, 0)
+    texts = [p["problem"] for p in rows]
     overhead = len(tokenizer(pacs.build_prompt(tokenizer, ""), add_special_tokens=False)["input_ids"])
     if length <= overhead:
         sys.exit(f"gpu_step.py: error: --max-prompt-tokens {length} is not above the template's {overhead} tokens")
