@@ -86,19 +86,26 @@ def pass_at_k(n, c, k):
     return 1.0 - prod
 
 
+def bootstrap_ci(values, level=0.95, n_boot=1000, seed=0):
+    """(lo, hi): the percentile bootstrap interval of the mean of values, resampling them with replacement
+    (seeded, so a rerun prints the same interval). The values are the units sampled: problems, or seeds."""
+    values = np.asarray(values, dtype=float)  # (n,)
+    idx = np.random.default_rng(seed).integers(0, len(values), (n_boot, len(values)))  # (n_boot, n) draws
+    boot = values[idx].mean(1)  # (n_boot,) the mean of each resample
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(boot, tail)), float(np.percentile(boot, 100 - tail))
+
+
 def dataset_metrics(rows, ks, seed=0, n_boot=1000):
     """Metrics of one dataset from its stored rows (one per problem, n samples each)."""
     n = len(rows[0]["correct"])
     c = np.array([sum(r["correct"]) for r in rows])  # (P,) correct samples per problem
     acc = c / n  # (P,) per-problem accuracy; avg@n is its mean
-    # bootstrap over problems (the unit the benchmark samples), seeded so reruns print the same interval
-    idx = np.random.default_rng(seed).integers(0, len(rows), (n_boot, len(rows)))  # (n_boot, P)
-    boot = acc[idx].mean(1)  # (n_boot,)
     return {
         "problems": len(rows), "n": n,
         "pass@k": {str(k): float(np.mean([pass_at_k(n, int(ci), k) for ci in c])) for k in ks if k <= n},
         "avg@n": float(acc.mean()),
-        "avg@n_ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))],
+        "avg@n_ci95": list(bootstrap_ci(acc, 0.95, n_boot, seed)),  # over problems: the unit sampled
         "mean_length": float(np.mean([x for r in rows for x in r["lengths"]])),
         "truncated": float(np.mean([x for r in rows for x in r["truncated"]])),
     }

@@ -40,6 +40,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import eval as pacs_eval  # noqa: E402  (bootstrap_ci: one percentile bootstrap for problems and seeds)
 import pacs  # noqa: E402  (latest_checkpoint: the done-check reads pacs.py's own checkpoint layout)
 
 # name -> pacs.py flags; everything else is shared by every run of a sweep
@@ -123,10 +124,7 @@ def bootstrap_interval(diffs, level=0.95, n_boot=10000, seed=0):
         return (math.nan, math.nan, math.nan)
     if len(d) < 2:
         return (float(d[0]), math.nan, math.nan)
-    idx = np.random.default_rng(seed).integers(0, len(d), (n_boot, len(d)))  # (n_boot, n) seeds drawn
-    boot = d[idx].mean(1)  # (n_boot,) mean difference of each resample
-    tail = 100 * (1 - level) / 2
-    return (float(d.mean()), float(np.percentile(boot, tail)), float(np.percentile(boot, 100 - tail)))
+    return (float(d.mean()), *pacs_eval.bootstrap_ci(d, level, n_boot, seed))  # seeds resampled
 
 
 def claim_sentence(a, b, metric, n, boot, t):
