@@ -1,0 +1,71 @@
+"""The README and docs/ link to each other's sections; a section renamed or moved must not leave a dead link."""
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs"))) if f.endswith(".md")]
+LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target)
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped (letters, digits, _ and - stay), spaces -> -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path):
+    """Every anchor the page defines; a repeated heading gets -1, -2, ... as on GitHub. Code blocks hold none."""
+    seen, out, in_code = {}, set(), False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("```"):
+                in_code = not in_code
+            elif not in_code and re.match(r"#{1,6} ", line):
+                s = slug(line.lstrip("#"))
+                out.add(s if s not in seen else f"{s}-{seen[s]}")
+                seen[s] = seen.get(s, 0) + 1
+    return out
+
+
+def test_slug_matches_githubs_rule():
+    assert slug(" The same sweep with M = 2: the critic switched on") == "the-same-sweep-with-m--2-the-critic-switched-on"
+    assert slug(" The verifier (`verify.py`)") == "the-verifier-verifypy"
+    assert slug(" Paper → code") == "paper--code"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_relative_link_and_anchor_resolves(page):
+    path = os.path.join(ROOT, page)
+    text = open(path, encoding="utf-8").read()
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # links inside code blocks are not links
+    dead = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+://", target):
+            continue  # the web: not checked offline
+        file, _, anchor = target.partition("#")
+        dest = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+        if not os.path.exists(dest):
+            dead.append(f"{target} (no file {os.path.relpath(dest, ROOT)})")
+        elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
+            dead.append(f"{target} (no heading with anchor #{anchor})")
+    assert not dead, f"{page}: dead links: {dead}"
+
+
+def test_the_file_tables_line_counts_are_current():
+    """The README's file table gives each file's line count (`wc -l`); `tests/` is the sum over tests/*.py."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    table = readme[readme.index("| file | lines |"):].split("\n\n")[0]  # the table ends at the first blank line
+    rows = re.findall(r"^\| `([^`]+)` \| ([\d,]+) \|", table, flags=re.M)
+    assert len(rows) >= 5, rows
+
+    def lines(path):
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            return sum(1 for _ in f)
+
+    for name, stated in rows:
+        if name.endswith("/"):
+            got = sum(lines(os.path.join(name, f)) for f in os.listdir(os.path.join(ROOT, name)) if f.endswith(".py"))
+        else:
+            got = lines(name)
+        assert int(stated.replace(",", "")) == got, f"README says {name} has {stated} lines, it has {got}"
