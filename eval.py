@@ -31,6 +31,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from typing import Literal, Optional
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from verify import extract_answer, verify
 
 
 @dataclass
-class EvalConfig:  # flags built by pacs.flags_from_dataclass, as pacs.py's Config
+class EvalConfig:  # flags parsed by pacs.parse_flags (HfArgumentParser), as pacs.py's Config
     model: str = _opt("", "hub id, local dir or checkpoint, .gguf file, or 'smollm2'")
     datasets: str = _opt("math500,amc23,aime24,aime25",
                          "comma-separated presets (gsm8k, math, math500, aime24, aime25, amc23, synthetic) "
@@ -58,9 +59,9 @@ class EvalConfig:  # flags built by pacs.flags_from_dataclass, as pacs.py's Conf
     max_new_tokens: int = _opt(1024, "response length limit")
     batch_size: int = _opt(64, "most sequences per generate call (problems x n)")
     seed: int = _opt(0, "seeds each generate batch and the bootstrap")
-    device: str = _opt("auto", "auto | cpu | cuda (bf16 on CUDA, fp32 on CPU)")
+    device: Literal["auto", "cpu", "cuda"] = _opt("auto", "auto | cpu | cuda (bf16 on CUDA, fp32 on CPU)")
     out: str = _opt("runs/eval", "config.json, samples.jsonl and metrics.json go here")
-    report: list = _opt(None, "compare finished runs instead of evaluating", metavar="DIR")
+    report: Optional[list[str]] = _opt(None, "compare finished runs instead of evaluating", metavar="DIR")
     report_out: str = _opt("report.png", "PNG written by --report "
                            "(pass@k against k, one subplot per dataset)")
 
@@ -348,7 +349,7 @@ def report(dirs, out_png):
 # Main
 # =====================================================================================================
 def parse_args(argv=None):
-    return pacs.flags_from_dataclass(EvalConfig, __doc__.split("\n")[0], argv)
+    return pacs.parse_flags(EvalConfig, __doc__.split("\n")[0], argv)
 
 
 def main(argv=None):

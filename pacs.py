@@ -24,7 +24,6 @@ Every flag: python pacs.py --help.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import glob
@@ -38,6 +37,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Literal, Optional
 
 import numpy as np
 import torch
@@ -62,19 +62,33 @@ class Config:
                         "synthetic) or a .jsonl/.json/.parquet file")
     data_dir: str = _opt("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data) "
                          "instead of the hub")
-    problem_key: str = _opt("", "problem column of a local file (default: 'problem')")
-    answer_key: str = _opt("", "answer column of a local file (default: 'answer')")
-    eval_dataset: str = _opt("", "held-out set for greedy accuracy (default: the preset's test split)")
+    problem_key: str = _opt("", "problem column of a local file (empty: 'problem')")
+    answer_key: str = _opt("", "answer column of a local file (empty: 'answer')")
+    eval_dataset: str = _opt("", "held-out set for greedy accuracy (empty: the preset's test split)")
     eval_every: int = _opt(10, "greedy held-out accuracy every N steps (0 = off)")
     eval_size: int = _opt(64, "held-out problems used for that accuracy")
     # algorithm (paper / official defaults)
-    algo: str = _opt("pacs", "loss: pacs | grpo (PPO-clip, group-normalised advantage) | "
-                     "reinforce (RLOO advantage, no clip)")
+    algo: Literal["pacs", "grpo", "ppo", "reinforce"] = _opt(
+        "pacs", "loss: pacs | grpo (PPO-clip, group mean/std advantage) | ppo (PPO-clip, a value model, "
+        "GAE) | reinforce (RLOO advantage, no clip)")
     beta: float = _opt(1.0, "PACS: scale of the reward proxy r_hat = beta * log(pi/pi_old) "
                        "(paper: 1.0 and 2.0)")
-    estimator: str = _opt("rloo", "PACS: group score psi from r_hat: rloo | grpo | drgrpo | none")
+    estimator: Literal["rloo", "grpo", "drgrpo", "none"] = _opt(
+        "rloo", "PACS: group score psi from r_hat: rloo | grpo | drgrpo | none")
     balance: bool = _opt(True, "PACS: class-balanced BCE weights per group (official weight_mode=question)")
-    clip_eps: float = _opt(0.2, "GRPO: PPO clip range")
+    implicit_critic: bool = _opt(True, "PACS: the critic sigma(psi) in the gradient; --no-implicit-critic "
+                                 "puts 1/2 in its place (the ablation that isolates the critic)")
+    loss_agg: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                               "seq-mean-token-sum-norm"]] = _opt(
+        None, "GRPO/PPO/REINFORCE: how token losses become one (verl's loss_agg_mode); unset: the official "
+        "scripts' seq-mean-token-sum-norm for grpo and ppo, token-mean for reinforce")
+    clip_eps: float = _opt(0.2, "GRPO/PPO: PPO clip range, both sides (verl's clip_ratio)")
+    clip_c: float = _opt(3.0, "GRPO/PPO: dual-clip bound on the loss of negative advantages "
+                         "(verl's clip_ratio_c; 0 = off)")
+    critic_lr: float = _opt(1e-5, "PPO: the value model's AdamW learning rate (official ppo.sh: 1e-5)")
+    value_clip: float = _opt(0.5, "PPO: value clip range around the rollout's values (verl: cliprange_value)")
+    gamma: float = _opt(1.0, "PPO: GAE discount (official: 1.0)")
+    lam: float = _opt(1.0, "PPO: GAE lambda (official: 1.0)")
     # rollout
     group_size: int = _opt(8, "G: responses sampled per prompt")
     prompts_per_step: int = _opt(128, "P: prompts per rollout batch (official: 1024 on 64 GPUs)")
@@ -92,7 +106,9 @@ class Config:
     weight_decay: float = _opt(0.01, "AdamW weight decay")
     adam_beta1: float = _opt(0.9, "AdamW beta1")
     adam_beta2: float = _opt(0.999, "AdamW beta2")
-    max_grad_norm: float = _opt(0.0, "clip the gradient norm to this (0 = off, as in the official code)")
+    max_grad_norm: Optional[float] = _opt(None, "clip the gradient norm to this (0 = off); unset: the "
+                                          "official scripts' 1.0 for grpo and ppo (actor and critic), off "
+                                          "for pacs and reinforce")
     steps: int = _opt(300, "rollout steps (official total_training_steps=300)")
     # system
     seed: int = _opt(0, "seeds python, numpy and torch")
@@ -100,15 +116,30 @@ class Config:
     save_every: int = _opt(20, "checkpoint every N steps (and at the end)")
     resume: bool = _opt(False, "continue from the latest checkpoint in out_dir")
     log_samples_every: int = _opt(10, "print and store a few completions every N steps")
-    device: str = _opt("auto", "auto | cpu | cuda")
-    rollout_dtype: str = _opt("auto", "weights generate() runs on: "
-                              "auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
+    device: Literal["auto", "cpu", "cuda"] = _opt("auto", "auto | cpu | cuda")
+    rollout_dtype: Literal["auto", "bf16", "fp32"] = _opt("auto", "weights generate() runs on: "
+                                                          "auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
+    autocast: Literal["auto", "bf16", "off"] = _opt("auto", "bf16 autocast of the training forwards: auto "
+                                                    "(on CUDA only) | bf16 (on the CPU: CUDA's rounding, "
+                                                    "emulated) | off")
     gradient_checkpointing: bool = _opt(False, "recompute activations in backward "
                                         "(prompts are then run per row)")
     memory_gib: float = _opt(0.0, "plan memory for this many GiB instead of the device's (0 = the device's)")
     plan_only: bool = _opt(False, "print the memory plan (needs only the model's config.json) and exit")
     save_minutes: float = _opt(5.0, "also checkpoint when this many minutes passed since the last one "
                                "(0 = off)")
+
+    def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
+        loss_agg, max_grad_norm = OFFICIAL_PER_ALGO.get(self.algo, (None, 0.0))
+        self.loss_agg = loss_agg if self.loss_agg is None else self.loss_agg
+        self.max_grad_norm = max_grad_norm if self.max_grad_norm is None else self.max_grad_norm
+
+
+# --algo -> (loss aggregation, grad clip) of the official runs (ritzz-ai/PACS: scripts/baseline/{grpo,ppo}.sh set
+# loss_agg_mode=seq-mean-token-sum-norm over configs/ppo_trainer.yaml, whose actor and critic grad_clip is 1.0; the
+# PACS actor overrides the optimizer step and never clips). REINFORCE is this project's own baseline: token-mean.
+OFFICIAL_PER_ALGO = {"pacs": (None, 0.0), "grpo": ("seq-mean-token-sum-norm", 1.0),
+                     "ppo": ("seq-mean-token-sum-norm", 1.0), "reinforce": ("token-mean", 0.0)}
 
 
 class ConfigError(Exception):
@@ -271,7 +302,7 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     entropy_sum = torch.zeros((), device=device)
     while True:
         try:
-            with torch.no_grad(), _autocast(device):
+            with torch.no_grad(), _autocast(cfg, device):
                 mb = cfg.micro_batch_size
                 for sl in _micro_slices(slice(rows_per_mini, B), mb):
                     lp, ent = response_logprobs(model, *_rows(roll, sl), cfg.temperature, with_entropy=True,
@@ -335,7 +366,7 @@ def accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini, f
     """Forward/backward of one mini-batch (the rows `mini`, whole groups) in micro-batches of
     cfg.micro_batch_size rows; gradients accumulate in .grad. On the first mini-batch (pi_theta == pi_old)
     it also fills old_logprobs[mini]. Returns (loss, psi or None, entropy sum), tensors."""
-    G, mb, autocast = cfg.group_size, cfg.micro_batch_size, _autocast(device)
+    G, mb, autocast = cfg.group_size, cfg.micro_batch_size, _autocast(cfg, device)
     total, psis, entropy = 0.0, [], torch.zeros((), device=device)
     if mb % G == 0:
         # whole groups in each micro-batch: each micro-batch's loss is computed and backpropagated directly
@@ -453,10 +484,16 @@ def _retry_smaller(cfg, what, error):
         torch.cuda.empty_cache()
 
 
-def _autocast(device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)  # fp32 master weights, bf16 matmuls
-    return torch.autocast(device.type, enabled=False)
+def autocast_dtype(cfg, device_type):
+    """The dtype of the training forwards' matmuls under --autocast: bf16 on CUDA by default (fp32 master weights,
+    bf16 matmuls); on the CPU fp32 unless --autocast bf16 asks for CUDA's rounding. None: no autocast."""
+    on = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device_type == "cuda")
+    return torch.bfloat16 if on else None
+
+
+def _autocast(cfg, device):
+    dtype = autocast_dtype(cfg, device.type)
+    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 # =====================================================================================================
@@ -998,7 +1035,7 @@ def _activation_bytes_per_token(c, a, checkpointing=False):
 
 def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_prompts):
     """Predicted bytes of each part of a step's peak, for model config c with n_params parameters."""
-    a = 2 if device_type == "cuda" else 4  # bytes of an activation: bf16 autocast on CUDA, fp32 on CPU
+    a = 2 if autocast_dtype(cfg, device_type) else 4  # bytes of an activation: bf16 under autocast, else fp32
     a_roll = 2 if _rollout_dtype(cfg, device_type) == torch.bfloat16 else 4
     G, Lp, T, V, H = cfg.group_size, cfg.max_prompt_tokens, cfg.max_new_tokens, c.vocab_size, c.hidden_size
     kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim(c) * a_roll
@@ -1147,27 +1184,19 @@ def changed_settings(path, settings):
 # =====================================================================================================
 # Flags, optimizer, model setup
 # =====================================================================================================
-def flags_from_dataclass(cls, description, argv=None):
-    """An instance of dataclass cls from command-line flags: one --field-name per field, of the field's type
-    (int, float, str; a list takes one or more strings; a bool gets --x / --no-x), with its default, its help
-    and any argparse keywords from the field's _opt. pacs.py's Config and eval.py's EvalConfig are parsed here."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        kind = f.type if isinstance(f.type, str) else f.type.__name__
-        extra = {k: v for k, v in f.metadata.items() if k != "help"}
-        if kind == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata["help"], **extra)
-        else:
-            typ = {"int": int, "float": float, "str": str, "list": str}[kind]
-            nargs = {"nargs": "+"} if kind == "list" else {}
-            parser.add_argument(flag, type=typ, default=f.default, help=f.metadata["help"], **nargs, **extra)
-    return cls(**vars(parser.parse_args(argv)))
+def parse_flags(cls, description, argv=None):
+    """An instance of dataclass cls from command-line flags, parsed by transformers' HfArgumentParser (as TRL's
+    scripts are): --field-name or --field_name per field with its default and the help in its metadata, --x /
+    --no-x for a bool, one or more values for a list, and a Literal's values as the only choices argparse
+    accepts. pacs.py's Config and eval.py's EvalConfig are parsed here."""
+    from transformers import HfArgumentParser
+    parser = HfArgumentParser(cls, description=description)
+    (parsed,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
+    return parsed
 
 
 def parse_args(argv=None):
-    return flags_from_dataclass(Config, __doc__.split("\n")[0], argv)
+    return parse_flags(Config, __doc__.split("\n")[0], argv)
 
 
 def check_config(cfg):
@@ -1182,10 +1211,6 @@ def check_config(cfg):
                           f"{cfg.prompts_per_step // cfg.num_mini_batches * cfg.group_size} rows (0 = auto)")
     if cfg.gen_batch_prompts < 0:
         raise ConfigError(f"--gen-batch-prompts must be >= 0 (0 = auto), got {cfg.gen_batch_prompts}")
-    for name, choices in (("algo", ("pacs", "grpo", "reinforce")), ("estimator", ("rloo", "grpo", "drgrpo", "none")),
-                          ("device", ("auto", "cpu", "cuda")), ("rollout_dtype", ("auto", "bf16", "fp32"))):
-        if getattr(cfg, name) not in choices:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r} is not one of {', '.join(choices)}")
     if cfg.temperature <= 0:
         raise ConfigError("--temperature must be > 0 for sampling")
 

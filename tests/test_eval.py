@@ -106,7 +106,7 @@ def read_rows(path):
 
 def test_flags_come_from_a_dataclass_as_in_pacs_py():
     """eval.py declares its flags as pacs.py does (a dataclass, one help per field, lines within 110 columns),
-    parsed by the same pacs.flags_from_dataclass; --report still takes one or more directories."""
+    parsed by the same pacs.parse_flags (HfArgumentParser); --report still takes one or more directories."""
     import dataclasses
     import inspect
     for cls in (ev.pacs.Config, ev.EvalConfig):

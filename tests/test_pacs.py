@@ -199,7 +199,8 @@ def assert_one_line_error(proc, *needles):
     (["--group-size", "1"], ["--group-size", "at least 2"]),
     (["--prompts-per-step", "6", "--num-mini-batches", "4"], ["6", "not divisible", "4"]),
     (["--prompts-per-step", "8", "--num-mini-batches", "2", "--micro-batch-size", "24"], ["--micro-batch-size", "24"]),
-    (["--algo", "ppo"], ["--algo", "ppo"]),
+    (["--algo", "dpo"], ["--algo", "invalid choice", "dpo"]),
+    (["--loss-agg", "sum"], ["--loss_agg", "invalid choice", "sum"]),
     (["--dataset", "nosuchset"], ["unknown dataset", "nosuchset"]),
     (["--dataset", "missing.jsonl"], ["not found", "missing.jsonl"]),
 ])
