@@ -180,6 +180,9 @@ class ConfigError(Exception):
 #   * A group whose responses are all right (or all wrong) has equal y_k at psi = 0: zero gradient.
 #   * The critic term sigma(psi) moves only on the later mini-batches of a rollout, once pi_theta has
 #     moved away from pi_old; there it shrinks the push on responses whose outcome it already predicts.
+#   * Switched off (implicit_critic=False, the ablation that isolates it): sigma(psi) -> 1/2 in c_k, so every
+#     mini-batch gets A_k = w_k (R_k - 1/2) - mean; the gradient differs from PACS's by exactly
+#     beta G/(B(G-1)) (d_k - mean_group(d)) mask[k,t] with d_k = w_k (sigma(psi_k) - 1/2).
 # Paper vs official code (we follow the code):
 #   * The paper's gradient has an extra "actor" term l * grad log pi; the official loss has no such term,
 #     its gradient is exactly the one above.
@@ -226,7 +229,8 @@ def class_balance_weights(rewards, group_size):
     return w.reshape(-1)  # (B,)
 
 
-def pacs_loss(logprobs, old_logprobs, mask, rewards, group_size, beta=1.0, estimator="rloo", balance=True):
+def pacs_loss(logprobs, old_logprobs, mask, rewards, group_size, beta=1.0, estimator="rloo", balance=True,
+              implicit_critic=True):
     """The PACS loss (scalar).
 
     logprobs     (B, T) log pi_theta of the sampled response tokens (carries grad)
@@ -234,55 +238,163 @@ def pacs_loss(logprobs, old_logprobs, mask, rewards, group_size, beta=1.0, estim
     mask         (B, T) 1 on response tokens up to and including the first EOS, else 0
     rewards      (B,)   verifier labels in {0, 1}
     group_size   G; rows i*G .. i*G+G-1 are the samples of prompt i. B % G != 0 or G < 2: ValueError.
+    implicit_critic=False: the ablation, 1/2 in place of sigma(psi) in the gradient (the derivation above).
     """
     psi = pacs_score(logprobs, old_logprobs, mask, group_size, beta, estimator)  # (B,)
     labels = rewards.to(psi.dtype)  # (B,)
     if labels.shape != psi.shape:
         raise ValueError(f"rewards has shape {tuple(rewards.shape)}, expected ({psi.shape[0]},)")
     weight = class_balance_weights(labels, group_size).to(psi.dtype) if balance else None
-    # L = mean_i w_i * BCEWithLogits(psi_i, R_i): the mean over rows, as BCEWithLogitsLoss(weight=w) does
-    return F.binary_cross_entropy_with_logits(psi, labels, weight=weight)
+    if implicit_critic:
+        # L = mean_i w_i * BCEWithLogits(psi_i, R_i): the mean over rows, as BCEWithLogitsLoss(weight=w) does
+        return F.binary_cross_entropy_with_logits(psi, labels, weight=weight)
+    # critic off: the BCE's first-order expansion around psi = 0, L = BCE(0, R) + (1/B) sum_i w_i (1/2 - R_i) psi_i.
+    # dL/dpsi_i = w_i (1/2 - R_i) / B, the BCE's w_i (sigma(psi_i) - R_i) / B at sigma = 1/2 (bit for bit, as at psi = 0)
+    c = (0.5 - labels) / psi.shape[0] if weight is None else weight / psi.shape[0] * (0.5 - labels)  # (B,)
+    return F.binary_cross_entropy_with_logits(torch.zeros_like(psi), labels, weight=weight) + (c * psi).sum()
 
 
-# ---- baselines: same rollouts, same schedule; only the loss differs ----------------------------------
-def grpo_loss(logprobs, old_logprobs, mask, rewards, group_size, clip_eps=0.2):
-    """GRPO: PPO-clip surrogate with A_i = (R_i - mean) / (std + 1e-6), token-mean (verl's default)."""
+# ---- baselines: the paper's GRPO and PPO as its scripts ran them, and REINFORCE; same rollouts and schedule --
+# From verl's core_algos.py in the official fork (compute_policy_loss, agg_loss, compute_gae_advantage_return,
+# compute_value_loss) with the official scripts' settings (scripts/baseline/{grpo,ppo}.sh over
+# configs/ppo_trainer.yaml): clip 0.2 both sides, dual clip c = 3, loss_agg_mode seq-mean-token-sum-norm, grad clip
+# 1.0 (actor and critic), gamma = lam = 1, critic lr 1e-5, value clip 0.5; no KL term, no entropy bonus.
+# The two critics: PPO's V(s_t) is a second network (decoder + scalar head) regressed on the returns, with its
+# own optimizer; PACS's sigma(psi) is read off the policy's own log-ratio and has no parameters of its own.
+def agg_loss(loss_mat, mask, mode, max_len=None):
+    """One scalar from per-token losses loss_mat (B, T) over mask (B, T), as verl's agg_loss:
+    token-mean               sum over all real tokens / their number
+    seq-mean-token-sum       mean over responses of each one's token sum
+    seq-mean-token-mean      mean over responses of each one's token mean
+    seq-mean-token-sum-norm  mean over responses of (token sum / max_len), max_len a constant (Dr. GRPO)"""
+    mask = mask.to(loss_mat.dtype)
+    if mode == "token-mean":  # (verl's masked_mean adds 1e-8 to the count; a count below 1 is clamped here)
+        return (loss_mat * mask).sum() / mask.sum().clamp(min=1)
+    seq = (loss_mat * mask).sum(-1)  # (B,) token sums
+    if mode == "seq-mean-token-sum":
+        return seq.mean()
+    if mode == "seq-mean-token-mean":
+        return (seq / mask.sum(-1)).mean()
+    if mode == "seq-mean-token-sum-norm":
+        if max_len is None:
+            raise ValueError("seq-mean-token-sum-norm needs max_len, the constant response-length limit")
+        # verl: seq.sum() / max_len, never divided by the responses: per optimizer step its gradient is its per-GPU
+        # micro-batch size (8 in the paper's scripts) times this one. AdamW is blind to that scale; only the
+        # 1.0 grad clip sees it, so there it bites 8x as often on the same update direction.
+        return seq.sum() / (seq.shape[0] * max_len)
+    raise ValueError(f"unknown loss_agg {mode!r}: use token-mean, seq-mean-token-sum, seq-mean-token-mean or "
+                     "seq-mean-token-sum-norm")
+
+
+def ppo_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, clip_c=3.0, loss_agg="token-mean",
+             max_len=None):
+    """The PPO-clip surrogate with dual clip (scalar), as verl's compute_policy_loss. advantages: (B, T), or
+    (B, 1) for one per response; the rest (B, T). clip_c = 0: no dual clip."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, T): pi_theta / pi_old per token
+    # PPO-clip: per token max(-A r, -A clip(r, 1 - eps, 1 + eps)), the pessimistic of the two
+    clipped = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps))
+    if clip_c > 0:  # dual clip (Ye et al. 2020): for A < 0 the loss is capped at -A c, so a huge ratio on a bad
+        clipped = torch.where(advantages < 0, torch.minimum(clipped, -advantages * clip_c), clipped)  # token stops
+    return agg_loss(clipped, mask, loss_agg, max_len)
+
+
+def grpo_loss(logprobs, old_logprobs, mask, rewards, group_size, clip_eps=0.2, clip_c=3.0,
+              loss_agg="seq-mean-token-sum-norm", max_len=None):
+    """GRPO as the paper ran it: ppo_loss with A_i = (R_i - mean) / (std + 1e-6) over each group (unbiased std,
+    verl's compute_grpo_outcome_advantage); a one-class group has A = 0. rewards: (B,)."""
     R = rewards.view(-1, group_size).to(logprobs.dtype)  # (B/G, G)
     adv = ((R - R.mean(-1, keepdim=True)) / (R.std(-1, keepdim=True) + 1e-6)).reshape(-1, 1)  # (B, 1)
-    ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
-    return -(surrogate * mask).sum() / mask.sum().clamp(min=1)
+    return ppo_loss(logprobs, old_logprobs, adv, mask, clip_eps, clip_c, loss_agg, max_len)
 
 
-def reinforce_loss(logprobs, old_logprobs, mask, rewards, group_size):
-    """REINFORCE with the RLOO baseline A_i = R_i - mean_{j!=i} R_j; importance ratio, no clip, token-mean."""
+def gae(token_rewards, values, mask, gamma=1.0, lam=1.0):
+    """(advantages, returns), both (B, T), as verl's compute_gae_advantage_return: generalised advantage
+    estimation from per-token rewards and values V(s_t) (B, T), both 0 past each response; the advantages
+    whitened over the batch's real tokens (masked mean, unbiased masked variance)."""
+    T = token_rewards.shape[1]
+    advantages, last = torch.zeros_like(values), 0.0
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else 0.0
+        # TD error delta_t = r_t + gamma V(s_{t+1}) - V(s_t); A_t = delta_t + gamma lam A_{t+1}
+        last = token_rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * last  # (B,)
+        advantages[:, t] = last
+    returns = advantages + values  # the critic's regression target
+    m = mask.to(values.dtype)
+    n = m.sum()
+    mean = (advantages * m).sum() / (n + 1e-8)
+    var = ((advantages - mean) ** 2 * m).sum() / (n + 1e-8) * n / (n - 1)  # Bessel's correction, as verl
+    return (advantages - mean) * torch.rsqrt(var + 1e-8), returns
+
+
+def value_loss(values, old_values, returns, mask, clip=0.5, loss_agg="token-mean", max_len=None):
+    """The clipped value loss (scalar), as verl's compute_value_loss: per token max((V - ret)^2,
+    (clip(V, V_old - c, V_old + c) - ret)^2), aggregated like the policy loss. All (B, T)."""
+    clipped = torch.clamp(values, old_values - clip, old_values + clip)  # (B, T): at most c from the rollout's
+    return agg_loss(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask, loss_agg, max_len)
+
+
+def reinforce_loss(logprobs, old_logprobs, mask, rewards, group_size, loss_agg="token-mean", max_len=None):
+    """REINFORCE with the RLOO baseline A_i = R_i - mean_{j!=i} R_j; importance ratio, no clip."""
     R = rewards.view(-1, group_size).to(logprobs.dtype)  # (B/G, G)
     adv = (R - (R.sum(-1, keepdim=True) - R) / (group_size - 1)).reshape(-1, 1)  # (B, 1)
     ratio = torch.exp(logprobs - old_logprobs)  # (B, T); grad = A * grad log pi at pi = pi_old
-    return -(ratio * adv * mask).sum() / mask.sum().clamp(min=1)
+    return agg_loss(-ratio * adv, mask, loss_agg, max_len)
 
 
-def algo_loss(cfg, logprobs, old_logprobs, mask, rewards):
+def algo_loss(cfg, logprobs, old_logprobs, mask, rewards, advantages=None):
+    """The --algo's loss on whole groups of rows. advantages (B, T): PPO's, from gae over the whole rollout."""
     if cfg.algo == "pacs":
-        return pacs_loss(logprobs, old_logprobs, mask, rewards, cfg.group_size, cfg.beta, cfg.estimator, cfg.balance)
+        return pacs_loss(logprobs, old_logprobs, mask, rewards, cfg.group_size, cfg.beta, cfg.estimator, cfg.balance,
+                         cfg.implicit_critic)
     if cfg.algo == "grpo":
-        return grpo_loss(logprobs, old_logprobs, mask, rewards, cfg.group_size, cfg.clip_eps)
-    return reinforce_loss(logprobs, old_logprobs, mask, rewards, cfg.group_size)
+        return grpo_loss(logprobs, old_logprobs, mask, rewards, cfg.group_size, cfg.clip_eps, cfg.clip_c, cfg.loss_agg,
+                         cfg.max_new_tokens)
+    if cfg.algo == "ppo":
+        return ppo_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_eps, cfg.clip_c, cfg.loss_agg,
+                        cfg.max_new_tokens)
+    return reinforce_loss(logprobs, old_logprobs, mask, rewards, cfg.group_size, cfg.loss_agg, cfg.max_new_tokens)
+
+
+# ---- the two critics, measured: what each knows and how much of the update it changes (metrics only) --------
+def group_auc(scores, rewards, group_size):
+    """(pairs ranked right, pairs): within each group, the (right, wrong) response pairs whose score ranks the
+    right one higher, ties counting 1/2, and how many such pairs there are (only mixed groups have any).
+    Their ratio is the critic's AUC: 0.5 when it knows nothing, 1 when it ranks every pair right. Only
+    within a group: PACS's RLOO centring makes psi sum to 0 in every group, so sigma(psi) can rank responses
+    to one prompt but says nothing across prompts. scores, rewards: (B,)."""
+    s, right = scores.view(-1, group_size), rewards.view(-1, group_size) > 0.5  # (B/G, G)
+    diff = s.unsqueeze(2) - s.unsqueeze(1)  # (B/G, G, G): score_i - score_j
+    pairs = right.unsqueeze(2) & ~right.unsqueeze(1)  # i right, j wrong
+    won = (diff > 0).to(s.dtype) + 0.5 * (diff == 0).to(s.dtype)
+    return (won * pairs).sum(), pairs.sum()
+
+
+def critic_change(psi, rewards, group_size, balance=True):
+    """(|A - A0|^2, |A0|^2): how much the implicit critic rewrote the advantage. A_k = y_k - mean_group(y) with
+    y_k = w_k (R_k - sigma(psi_k)) is PACS's (the derivation above); A0 the same with sigma(psi) = 1/2, the
+    advantage with the critic off. Their ratio's square root is the share of the update the critic rewrote."""
+    R = rewards.view(-1, group_size).to(psi.dtype)  # (B/G, G)
+    w = class_balance_weights(R.reshape(-1), group_size).view_as(R) if balance else torch.ones_like(R)
+    y, y0 = w * (R - torch.sigmoid(psi.view_as(R))), w * (R - 0.5)
+    A, A0 = y - y.mean(-1, keepdim=True), y0 - y0.mean(-1, keepdim=True)
+    return ((A - A0) ** 2).sum(), (A0 ** 2).sum()
 
 
 # =====================================================================================================
 # One training step: sample, verify, pi_old log-probs, M updates, metrics (README: PACS in ten lines)
 # =====================================================================================================
-def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model=None):
-    """One PACS step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: the weights
-    generate() runs with (a bf16 copy on CUDA, refreshed by the caller after each step); default: model."""
+def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model=None, critic=None,
+               critic_optimizer=None):
+    """One step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: the weights generate()
+    runs with (a bf16 copy on CUDA, refreshed by the caller after each step); default: model. critic,
+    critic_optimizer: PPO's value model and its AdamW (--algo ppo)."""
     G, P, M = cfg.group_size, cfg.prompts_per_step, cfg.num_mini_batches
     t0 = time.time()
     batch = [problems[i] for i in batch_indices(step, len(problems), P, cfg.seed)]
     prompts = [build_prompt(tokenizer, p["problem"]) for p in batch]
     # ---- 1. sample: G responses per prompt from pi_old (PACS in ten lines: 1) ---------------------------
     roll = sample(rollout_model or model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                  batch_prompts=cfg.gen_batch_prompts)
+                  batch_prompts=cfg.gen_batch_prompts, on_smaller=lambda n: setattr(cfg, "gen_batch_prompts", n))
     roll = {k: v.to(device) for k, v in roll.items()}
     t_gen = time.time()
     # ---- 2. verify: R in {0, 1} per response (ten lines: 2) ---------------------------------------------
@@ -290,70 +402,78 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     rewards = reward_fn(texts, [p["answer"] for p in batch for _ in range(G)]).to(device)  # (B,)
     t_verify = time.time()
 
-    # ---- 3. pi_old log-probs: old_logprobs, the reference of r_hat (ten lines: 3) -----------------------
+    # ---- 3. pi_old log-probs: old_logprobs, the reference of r_hat (ten lines: 3); PPO: values, GAE -------
     # Recomputed by the training model from the same temperature-scaled logits the loss uses (not generate's
     # scores). Mini-batch 0 is trained before any update, i.e. at pi_old itself: its old_logprobs are the
     # detached log-probs of its own training forward (no extra pass, and psi is exactly 0 there, bit for bit).
     # Only the later mini-batches need a no-grad pass now, before the weights move.
-    B = P * G
-    rows_per_mini = B // M
+    # The route of these forwards is fixed here for the whole step: micro-batches of lp_rows rows, each prompt
+    # run once for its group unless --gradient-checkpointing (_logprobs). Every later forward whose log-probs
+    # meet these in a ratio runs the same way, because bf16 rounds differently on another route (~1e-2 per
+    # token): PACS sums up to 1,024 token log-ratios into psi, so a mismatch is psi != 0 where the weights have
+    # not moved, which the BCE takes for critic signal. GRPO's and PPO's clipped per-token ratios shrug it off.
+    B, rows_per_mini = P * G, P * G // M
     mask = roll["response_mask"].float()  # (B, T)
     old_logprobs = torch.zeros_like(mask)  # (B, T)
     entropy_sum = torch.zeros((), device=device)
     while True:
         try:
             with torch.no_grad(), _autocast(cfg, device):
-                mb = cfg.micro_batch_size
-                for sl in _micro_slices(slice(rows_per_mini, B), mb):
-                    lp, ent = response_logprobs(model, *_rows(roll, sl), cfg.temperature, with_entropy=True,
-                                                group_size=min(G, mb))
-                    old_logprobs[sl] = lp
+                for sl in _micro_slices(slice(rows_per_mini, B), cfg.micro_batch_size):
+                    old_logprobs[sl], ent = _logprobs(cfg, model, roll, sl, with_entropy=True)
                     entropy_sum += (ent * mask[sl]).sum()
+                if critic is not None:  # PPO: the critic's V(s_t) (B, T) of every row, before any update
+                    old_values = torch.cat([_values(cfg, critic, roll, sl)
+                                            for sl in _micro_slices(slice(0, B), cfg.micro_batch_size)])
             break
         except torch.OutOfMemoryError as e:
-            entropy_sum.zero_()
-            _retry_smaller(cfg, f"step {step}: old log-probs", e)
+            error = str(e)
+        entropy_sum.zero_()
+        _retry_smaller(cfg, f"step {step}: old log-probs", error)  # outside `except`: the failed tensors are freed
+    lp_rows = cfg.micro_batch_size
+    advantages = None
+    if critic is not None:
+        # PPO: the outcome reward R sits on each response's last token; GAE over the whole rollout (verl's
+        # compute_advantage runs before the mini-batches), returns = advantages + values
+        last = mask.sum(1).long() - 1  # (B,)
+        token_rewards = torch.zeros_like(mask).scatter_(1, last[:, None], rewards[:, None].to(mask.dtype))
+        advantages, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)  # (B, T), (B, T)
     t_old = time.time()
 
     # ---- 4. M updates: an AdamW step per mini-batch of whole groups (ten lines: 3-7, 9-10) --------------
     # accumulate_mini_batch runs algo_loss (for PACS: r_hat, psi, the weighted BCE) and its backward.
     # Mini-batch 0 sees pi_theta == pi_old (psi == 0: a group-baseline REINFORCE step); later ones see
-    # psi != 0, where the critic sigma(psi) acts.
+    # psi != 0, where the critic sigma(psi) acts. PPO's critic then takes its own step on the same rows.
     model.train()
-    losses, grad_norms, skipped, psis = [], [], 0, []
+    losses, grad_norms, skipped, psis, critic_out = [], [], 0, [], []
     for m in range(M):
         mini = slice(m * rows_per_mini, (m + 1) * rows_per_mini)
-        while True:
-            optimizer.zero_grad(set_to_none=True)
-            try:
-                loss, psi, ent = accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini,
-                                                       first=m == 0, device=device)
-                break
-            except torch.OutOfMemoryError as e:  # partial gradients are dropped; the mini-batch is redone
-                _retry_smaller(cfg, f"step {step}: mini-batch {m}", e)
+        (loss, psi, ent), grad_norm, applied = optimizer_step(
+            cfg, model, optimizer, f"step {step}: mini-batch {m}", lambda: accumulate_mini_batch(
+                cfg, model, roll, old_logprobs, mask, rewards, mini, m == 0, device, advantages, lp_rows))
         entropy_sum += ent
-        # the one host sync per mini-batch: the skip decision needs the norm's value. (No list of the grads is
-        # kept: it would hold this mini-batch's gradients alive through the next one, after zero_grad.)
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in
-                                                          model.parameters() if p.grad is not None])).item()
-        if not math.isfinite(grad_norm):  # a non-finite step is skipped, never applied
-            skipped += 1
-            tqdm_write(f"step {step}: mini-batch {m}: grad norm {grad_norm}, update skipped")
-        else:
-            if cfg.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            optimizer.step()
         losses.append(loss)
         grad_norms.append(grad_norm)
+        skipped += not applied
         if psi is not None:
             psis.append(psi)
-    optimizer.zero_grad(set_to_none=True)
+        if critic is not None:  # the actor's gradients are already freed (optimizer_step): one model's at a time
+            critic.train()
+            critic_out.append(optimizer_step(cfg, critic, critic_optimizer, f"step {step}: critic mini-batch {m}",
+                                             lambda: accumulate_critic(cfg, critic, roll, old_values, returns, mask,
+                                                                       mini, device)))
+            critic.eval()
     model.eval()
     t_end = time.time()
 
-    # ---- 5. metrics: step_metrics, timings, a few examples ----------------------------------------------
-    metrics = step_metrics(step, roll, rewards, mask, G, entropy_sum, losses, grad_norms, skipped,
-                           torch.cat(psis) if psis else None)
+    # ---- 5. metrics: step_metrics, the critics' metrics, timings, a few examples --------------------------
+    psi = torch.cat(psis) if psis else None  # (B,)
+    metrics = step_metrics(step, roll, rewards, mask, G, entropy_sum, losses, grad_norms, skipped, psi)
+    later = slice(rows_per_mini, B)  # where a critic acts: mini-batches 1..M-1 (psi == 0 on mini-batch 0)
+    if psi is not None:
+        metrics.update(implicit_critic_metrics(psi[later], rewards[later], G, cfg.balance))
+    if critic is not None:
+        metrics.update(value_model_metrics(old_values, returns, mask, rewards, G, later, critic_out))
     metrics.update({"micro_batch_size": cfg.micro_batch_size,
                     "time_generate": t_gen - t0, "time_verify": t_verify - t_gen, "time_old_logprobs": t_old - t_verify,
                     "time_update": t_end - t_old, "step_time": t_end - t0, "samples_per_s": B / (t_end - t0)})
@@ -362,52 +482,75 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     return metrics, examples
 
 
-def accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini, first, device):
+def accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini, first, device, advantages=None,
+                          lp_rows=None):
     """Forward/backward of one mini-batch (the rows `mini`, whole groups) in micro-batches of
     cfg.micro_batch_size rows; gradients accumulate in .grad. On the first mini-batch (pi_theta == pi_old)
-    it also fills old_logprobs[mini]. Returns (loss, psi or None, entropy sum), tensors."""
+    it also fills old_logprobs[mini]. lp_rows: the rows of the step's log-prob forwards (phase 3's; default
+    the micro-batch size). advantages (B, T): PPO's. Returns (loss, psi or None, entropy sum), tensors."""
     G, mb, autocast = cfg.group_size, cfg.micro_batch_size, _autocast(cfg, device)
+    lp_rows = lp_rows or mb
+    adv = (lambda rows: None) if advantages is None else (lambda rows: advantages[rows])
     total, psis, entropy = 0.0, [], torch.zeros((), device=device)
-    if mb % G == 0:
-        # whole groups in each micro-batch: each micro-batch's loss is computed and backpropagated directly
+    if mb == lp_rows and mb % G == 0:
+        # whole groups in each micro-batch, the forwards of phase 3: each micro-batch's loss is backpropagated directly
         for sl in _micro_slices(mini, mb):
             with autocast:
-                lp, ent = response_logprobs(model, *_rows(roll, sl), cfg.temperature, with_entropy=first,
-                                            group_size=G)
+                lp, ent = _logprobs(cfg, model, roll, sl, with_entropy=first)
             if first:  # its own detached log-probs are pi_old's: psi == 0 bit for bit, and no extra pass
                 old_logprobs[sl] = lp.detach()
                 entropy = entropy + (ent * mask[sl]).sum()
-            loss = algo_loss(cfg, lp, old_logprobs[sl], mask[sl], rewards[sl]) * _loss_share(cfg, mask, sl, mini)
+            loss = (algo_loss(cfg, lp, old_logprobs[sl], mask[sl], rewards[sl], adv(sl))
+                    * _loss_share(cfg, mask, sl, mini))
             loss.backward()
             total = total + loss.detach()
             if cfg.algo == "pacs":
                 psis.append(pacs_score(lp.detach(), old_logprobs[sl], mask[sl], G, cfg.beta, cfg.estimator))
     else:
-        # A group split over G/mb micro-batches. The loss couples a group's rows (psi centres r_hat in the
-        # group), but it depends on the weights only through the group's log-probs, so by the chain rule
+        # A group split over micro-batches (mb < G), or micro-batches an out-of-memory retry made smaller than
+        # phase 3's. The loss couples a group's rows (psi centres r_hat in the group), but it depends on the
+        # weights only through the log-probs, so by the chain rule
         #   grad L = sum_{k,t} dL/dlogprobs[k,t] * grad logprobs[k,t]
-        # 1) the group's log-probs at the current weights, no grad (mb rows at a time);
-        # 2) L and dL/dlogprobs (G, T) on that detached copy, the whole group at once;
+        # 1) the log-probs of a unit of whole groups at the current weights, no grad, in phase 3's forwards
+        #    (lp_rows rows each), so psi compares values computed exactly as pi_old's were;
+        # 2) L and dL/dlogprobs on that detached copy, the unit at once;
         # 3) backpropagate dL/dlogprobs through the model mb rows at a time (one more forward per row).
-        for g in _micro_slices(mini, G):
+        for unit in _micro_slices(mini, max(G, lp_rows)):
             with torch.no_grad(), autocast:
-                parts = [response_logprobs(model, *_rows(roll, sl), cfg.temperature, with_entropy=first,
-                                           group_size=mb) for sl in _micro_slices(g, mb)]
-            lp = torch.cat([p[0] for p in parts]).requires_grad_()  # (G, T), a leaf
+                parts = [_logprobs(cfg, model, roll, sl, with_entropy=first) for sl in _micro_slices(unit, lp_rows)]
+            lp = torch.cat([p[0] for p in parts]).requires_grad_()  # (rows, T), a leaf
             if first:
-                old_logprobs[g] = lp.detach()
-                entropy = entropy + (torch.cat([p[1] for p in parts]) * mask[g]).sum()
-            loss = algo_loss(cfg, lp, old_logprobs[g], mask[g], rewards[g]) * _loss_share(cfg, mask, g, mini)
-            (dlogprobs,) = torch.autograd.grad(loss, lp)  # (G, T)
-            for sl in _micro_slices(g, mb):
+                old_logprobs[unit] = lp.detach()
+                entropy = entropy + (torch.cat([p[1] for p in parts]) * mask[unit]).sum()
+            loss = (algo_loss(cfg, lp, old_logprobs[unit], mask[unit], rewards[unit], adv(unit))
+                    * _loss_share(cfg, mask, unit, mini))
+            (dlogprobs,) = torch.autograd.grad(loss, lp)  # (rows, T)
+            for sl in _micro_slices(unit, mb):
                 with autocast:
-                    lp_rows, _ = response_logprobs(model, *_rows(roll, sl), cfg.temperature, group_size=mb)
-                lp_rows.backward(dlogprobs[sl.start - g.start:sl.stop - g.start])
+                    lp_rows_grad, _ = _logprobs(cfg, model, roll, sl)
+                lp_rows_grad.backward(dlogprobs[sl.start - unit.start:sl.stop - unit.start])
             total = total + loss.detach()
             if cfg.algo == "pacs":
-                psis.append(pacs_score(lp.detach(), old_logprobs[g], mask[g], G, cfg.beta, cfg.estimator))
+                psis.append(pacs_score(lp.detach(), old_logprobs[unit], mask[unit], G, cfg.beta, cfg.estimator))
     psi = torch.cat(psis) if psis else None
     return total, psi, entropy
+
+
+def accumulate_critic(cfg, critic, roll, old_values, returns, mask, mini, device):
+    """PPO's value model: forward/backward of value_loss on the rows `mini` in micro-batches of
+    cfg.micro_batch_size rows (no coupling between rows: any split gives the mini-batch's gradient).
+    Returns (value loss, tokens where the clipped loss was the larger), tensors."""
+    total, clipped, c = 0.0, torch.zeros((), device=device), cfg.value_clip
+    for sl in _micro_slices(mini, cfg.micro_batch_size):
+        with _autocast(cfg, device):
+            values = _values(cfg, critic, roll, sl)  # (b, T) V(s_t), 0 past each response
+        loss = (value_loss(values, old_values[sl], returns[sl], mask[sl], c, cfg.loss_agg, cfg.max_new_tokens)
+                * _loss_share(cfg, mask, sl, mini))
+        loss.backward()
+        total = total + loss.detach()
+        v, old, ret = values.detach(), old_values[sl], returns[sl]
+        clipped += (((torch.clamp(v, old - c, old + c) - ret) ** 2 > (v - ret) ** 2) * mask[sl]).sum()
+    return total, clipped
 
 
 def step_metrics(step, roll, rewards, mask, group_size, entropy_sum, losses, grad_norms, skipped, psi):
@@ -428,6 +571,41 @@ def step_metrics(step, roll, rewards, mask, group_size, entropy_sum, losses, gra
         "grad_norm": float(np.mean(grad_norms)),
         "skipped": skipped,
     }
+
+
+def implicit_critic_metrics(psi, rewards, group_size, balance):
+    """PACS's critic sigma(psi) on the rows of mini-batches 1..M-1 (host values; None where undefined):
+    critic_auc        share of (right, wrong) pairs within mixed groups that psi ranks right (group_auc)
+    critic_shift      mean |sigma(psi) - 1/2|: how far the critic moved off "no idea"
+    critic_adv_change |A - A0| / |A0|: the share of the update's advantage the critic rewrote (critic_change)"""
+    if psi.numel() == 0:  # M = 1: psi == 0, the critic never acts
+        return {"critic_auc": None, "critic_pairs": 0, "critic_shift": None, "critic_adv_change": None}
+    won, pairs = group_auc(psi, rewards, group_size)
+    diff2, base2 = critic_change(psi, rewards, group_size, balance)
+    return {"critic_auc": (won / pairs).item() if pairs else None, "critic_pairs": int(pairs),
+            "critic_shift": (torch.sigmoid(psi) - 0.5).abs().mean().item(),
+            "critic_adv_change": (diff2 / base2).sqrt().item() if base2 > 0 else None}
+
+
+def value_model_metrics(values, returns, mask, rewards, group_size, later, updates):
+    """PPO's critic (host values): critic_auc scored as PACS's, on the same rows and pairs, by V at each
+    response's last token (the state that has read the whole response but that token, an EOS when it ended);
+    explained variance of the returns by V over all tokens; V(s_0), one per prompt, against the group's
+    success rate; and the value loss, clip fraction, grad norm and skips of the M critic steps (updates)."""
+    m = mask.bool()
+    last = values.gather(1, (mask.sum(1).long() - 1)[:, None]).squeeze(1)  # (B,)
+    won, pairs = group_auc(last[later], rewards[later], group_size)
+    err, ret = (returns - values)[m], returns[m]
+    v0, rate = values[::group_size, 0], rewards.view(-1, group_size).mean(1)  # (B/G,) each
+    corr = torch.corrcoef(torch.stack([v0, rate]))[0, 1] if len(v0) > 1 else torch.tensor(float("nan"))
+    return {"critic_auc": (won / pairs).item() if pairs else None, "critic_pairs": int(pairs),
+            "explained_var": (1 - err.var() / (ret.var() + 1e-5)).item(),  # verl's, with its 1e-5
+            "value_first_corr": corr.item() if torch.isfinite(corr) else None,
+            "value_first_mae": (v0 - rate).abs().mean().item(),
+            "value_loss": float(np.mean([float(out[0]) for out, _, _ in updates])),
+            "value_clip_frac": sum(float(out[1]) for out, _, _ in updates) / max(mask.sum().item(), 1),
+            "critic_grad_norm": float(np.mean([norm for _, norm, _ in updates])),
+            "critic_skipped": sum(not applied for _, _, applied in updates)}
 
 
 def reward_fn(responses, answers):
@@ -458,8 +636,9 @@ def _micro_slices(rows, size):
 
 def _loss_share(cfg, mask, sl, mini):
     """A micro-batch's weight in its mini-batch's loss, so that the accumulated gradient is the mini-batch's
-    whatever the micro-batch size: PACS averages over responses, the baselines over tokens (token-mean)."""
-    if cfg.algo == "pacs":
+    whatever the micro-batch size: a mean over responses (PACS, the seq-mean modes) weighs rows, a token-mean
+    weighs tokens."""
+    if cfg.algo == "pacs" or cfg.loss_agg != "token-mean":
         return (sl.stop - sl.start) / (mini.stop - mini.start)
     return mask[sl].sum() / mask[mini].sum().clamp(min=1)  # a tensor: no host sync
 
@@ -472,12 +651,40 @@ def valid_micro_batch_sizes(cfg):
                   {m for m in range(G, rows_per_mini + 1, G) if rows_per_mini % m == 0})
 
 
+def optimizer_step(cfg, model, optimizer, what, accumulate):
+    """accumulate() (forward/backward into .grad), then one optimizer step: (accumulate's result, grad norm
+    before clipping, applied). An out-of-memory error halves --micro-batch-size and redoes accumulate from clean
+    gradients; a non-finite gradient norm skips the step; --max-grad-norm clips. The gradients are freed after."""
+    while True:
+        optimizer.zero_grad(set_to_none=True)
+        try:
+            out = accumulate()
+            break
+        except torch.OutOfMemoryError as e:
+            error = str(e)
+        optimizer.zero_grad(set_to_none=True)  # the partial gradients go before the cache is emptied
+        _retry_smaller(cfg, what, error)
+    # the one host sync per mini-batch: the skip decision needs the norm's value
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in
+                                                 model.parameters() if p.grad is not None]))
+    applied = math.isfinite(norm.item())
+    if not applied:  # a non-finite step is skipped, never applied
+        tqdm_write(f"{what}: grad norm {norm.item()}, update skipped")
+    else:
+        if cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.max_grad_norm, norm)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return out, norm.item(), applied
+
+
 def _retry_smaller(cfg, what, error):
-    """After an out-of-memory error: halve --micro-batch-size (to the next allowed size), logged."""
+    """After an out-of-memory error (called outside the `except` block, whose traceback would keep the failed
+    step's tensors alive): halve --micro-batch-size (to the next allowed size), logged, and empty the cache."""
     smaller = [s for s in valid_micro_batch_sizes(cfg) if s <= cfg.micro_batch_size // 2]
     if not smaller:
         raise ConfigError(f"out of memory in {what} with --micro-batch-size {cfg.micro_batch_size}: lower "
-                          f"--max-new-tokens or use --gradient-checkpointing ({str(error).splitlines()[0]})")
+                          f"--max-new-tokens or use --gradient-checkpointing ({error.splitlines()[0]})")
     tqdm_write(f"[memory] out of memory in {what}: --micro-batch-size {cfg.micro_batch_size} -> {smaller[-1]}")
     cfg.micro_batch_size = smaller[-1]
     if torch.cuda.is_available():
@@ -533,11 +740,17 @@ def train(cfg):
                                       cfg.answer_key if same else "")[:cfg.eval_size]
 
     optimizer = make_optimizer(cfg, model)
+    critic = critic_optimizer = None
+    if cfg.algo == "ppo":  # PPO's explicit critic: a second network with its own AdamW (the run's own on resume)
+        critic = load_value_model(cfg, os.path.join(resume_from, "critic") if resume_from else cfg.model, device)
+        critic_optimizer = make_optimizer(cfg, critic, lr=cfg.critic_lr)
     start = 0
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     if resume_from:
         state = torch.load(os.path.join(resume_from, "trainer_state.pt"), weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
+        if critic_optimizer is not None:
+            critic_optimizer.load_state_dict(state["critic_optimizer"])
         random.setstate(state["rng_python"])
         np.random.set_state(state["rng_numpy"])
         torch.set_rng_state(state["rng_torch"])
@@ -559,7 +772,8 @@ def train(cfg):
           f"{cfg.prompts_per_step} x {cfg.group_size} samples/step, {cfg.num_mini_batches} updates/step", file=sys.stderr)
     last_save = time.time()
     for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True):
-        metrics, examples = train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model)
+        metrics, examples = train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model,
+                                       critic, critic_optimizer)
         if rollout_model is not model:
             copy_weights(rollout_model, model)
         last = step == cfg.steps - 1
@@ -570,8 +784,14 @@ def train(cfg):
                 f"len {metrics['response_len']:.1f} | trunc {metrics['truncated']:.2f} | "
                 f"ent {metrics['entropy']:.3f} | loss {metrics['loss']:.4f} | gnorm {metrics['grad_norm']:.3g} | "
                 f"{metrics['step_time']:.1f}s {metrics['samples_per_s']:.2f} samples/s")
-        if metrics["psi_mean"] is not None:
-            line += f" | psi {metrics['psi_mean']:+.3f}±{metrics['psi_std']:.3f} sigma {metrics['sigma_psi']:.3f}"
+        num = lambda key, spec: "-" if metrics.get(key) is None else format(metrics[key], spec)
+        if metrics["psi_mean"] is not None:  # PACS: psi, and its critic's ranking, shift and share of the update
+            line += (f" | psi {metrics['psi_mean']:+.3f}±{metrics['psi_std']:.3f} sigma {metrics['sigma_psi']:.3f}"
+                     f" | critic auc {num('critic_auc', '.2f')} shift {num('critic_shift', '.3f')} "
+                     f"dA {num('critic_adv_change', '.3f')}")
+        if critic is not None:  # PPO: the value model's ranking, fit and loss
+            line += (f" | critic auc {num('critic_auc', '.2f')} ev {num('explained_var', '+.2f')} "
+                     f"vloss {num('value_loss', '.4f')}")
         if "eval_acc" in metrics:
             line += f" | eval {metrics['eval_acc']:.3f}"
         tqdm_write(line)
@@ -584,7 +804,7 @@ def train(cfg):
             tqdm_write(f"  sample (R={e['reward']:.0f}, gold {e['answer']}): {e['response'][:200]!r}")
         overdue = cfg.save_minutes > 0 and time.time() - last_save >= 60 * cfg.save_minutes
         if (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0) or overdue or last:
-            save_checkpoint(cfg, model, tokenizer, optimizer, step)
+            save_checkpoint(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer)
             last_save = time.time()
     return model
 
@@ -875,13 +1095,14 @@ def _generate(model, tokenizer, prompts, group_size, gen_cfg, eos, pad):
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, temperature=1.0, top_p=1.0,
-           greedy=False, batch_prompts=32, progress=False, min_new_tokens=0):
+           greedy=False, batch_prompts=32, progress=False, min_new_tokens=0, on_smaller=None):
     """Generate group_size responses per prompt. Rows i*G..i*G+G-1 belong to prompt i.
 
     Returns a dict: prompt_ids (N, Lp) left-padded, prompt_mask (N, Lp), response_ids (N, T) right-padded,
     response_mask (N, T) = 1 up to and including the first EOS, truncated (N,) bool (no EOS), N = len*G.
     batch_prompts <= 0: all prompts in one call. min_new_tokens (benchmarks) bans EOS before that length.
-    Tokens after the first EOS are set to the pad id, so response_ids decode as they are.
+    Tokens after the first EOS are set to the pad id, so response_ids decode as they are. Out of memory, a
+    generate call halves its prompts and retries; on_smaller(n) hears the new size, for the next calls to keep.
     """
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id
@@ -894,17 +1115,21 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
     while s < len(prompts):
         try:
             chunks.append(_generate(model, tokenizer, prompts[s:s + n], group_size, gen_cfg, eos, pad))
-        except torch.OutOfMemoryError as e:  # halve the generate batch for the rest of this call, and retry
-            if n == 1:
-                raise ConfigError(f"out of memory generating one prompt's {group_size} responses: lower "
-                                  f"--max-new-tokens or --group-size ({str(e).splitlines()[0]})") from None
-            n = max(1, n // 2)
-            tqdm_write(f"[memory] out of memory in generate: {n} prompts per call from now on in this call")
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            bar.update(min(n, len(prompts) - s))
+            s += n
             continue
-        bar.update(min(n, len(prompts) - s))
-        s += n
+        except torch.OutOfMemoryError as e:
+            error = str(e).splitlines()[0]
+        # outside `except`, whose traceback would hold the failed call's KV cache: halve the batch and retry
+        if n == 1:
+            raise ConfigError(f"out of memory generating one prompt's {group_size} responses: lower "
+                              f"--max-new-tokens or --group-size ({error})")
+        n = max(1, n // 2)
+        tqdm_write(f"[memory] out of memory in generate: {n} prompts per generate call from now on")
+        if on_smaller is not None:
+            on_smaller(n)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     bar.close()
     model.train(was_training)
     Lp, T = max(c[0].shape[1] for c in chunks), max(c[2].shape[1] for c in chunks)
@@ -947,14 +1172,13 @@ def _token_entropy(lm_head, hidden, temperature):  # (n, H) -> (n,), a metric: n
     return logits.logsumexp(-1) - (torch.softmax(logits, -1) * logits).sum(-1)  # H = log Z - E_p[logit]
 
 
-def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0,
-                      with_entropy=False, group_size=1, chunk=LOGITS_CHUNK):
-    """Per-token log pi(response | prompt) (b, T) from temperature-scaled logits, and optionally the
-    per-token entropy (b, T); both are 0 where response_mask is 0. With group_size G > 1, rows
+def response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size=1, shared_prompt=True):
+    """(hidden (b, T, H), keep (b, T)): the decoder's last hidden state at the position before each response
+    token t, the state s_t that predicts token t (and that PPO's critic values), with T trimmed to the last
+    real token; keep marks the real response tokens. With group_size G > 1 and shared_prompt, rows
     i*G..i*G+G-1 must share their prompt: it is run once per group and its keys/values are shared by the G
-    responses (see below). The decoder gives hidden states; the LM head and the fp32 log-softmax then run
-    over `chunk` response tokens at a time and, when grad is on, are recomputed in backward: the logits of a
-    micro-batch (b x T x 151,936 for Qwen) and their gradient never exist in full."""
+    responses (see below). shared_prompt=False runs every row in full (activation checkpointing drops the KV
+    cache in training mode, so the shared-prompt path cannot run under it)."""
     # trim columns that are padding in every row: less work, same numbers for the real tokens
     keep_p = prompt_mask.any(0).nonzero()
     keep_r = response_mask.any(0).nonzero()
@@ -963,11 +1187,12 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     prompt_ids, prompt_mask = prompt_ids[:, lp0:], prompt_mask[:, lp0:]  # (b, Lp)
     attn = torch.cat([prompt_mask, response_mask[:, :T]], 1)  # (b, Lp + T)
     position_ids = (attn.cumsum(1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
-    decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
+    decoder = model.base_model  # the decoder stack without its head, of a causal LM or of the critic
     Lp = prompt_ids.shape[1]
-    # activation checkpointing drops the KV cache in training mode, so the shared-prompt path cannot run under it
-    checkpointing = model.training and getattr(model, "is_activation_checkpointing", False)
-    if group_size == 1 or checkpointing:
+    if shared_prompt and group_size > 1 and model.training and getattr(model, "is_activation_checkpointing", False):
+        raise ValueError("the shared-prompt path needs the KV cache, which activation checkpointing drops in "
+                         "training mode: pass shared_prompt=False")
+    if group_size == 1 or not shared_prompt:
         ids = torch.cat([prompt_ids, response_ids[:, :T]], 1)
         hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=position_ids,
                          use_cache=False).last_hidden_state[:, Lp - 1:-1]  # (b, T, H): position Lp-1+t predicts token t
@@ -986,9 +1211,28 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
                                   position_ids=position_ids[:, Lp:Lp + T - 1], past_key_values=cache,
                                   use_cache=True).last_hidden_state)  # (b, T-1, H): predicts tokens 1..T-1
         hidden = torch.cat(hidden, 1)  # (b, T, H)
+    return hidden, response_mask[:, :T].bool()
+
+
+def _scatter_response(values, keep, width):
+    """(b, width) float32: the n values back at the real response tokens `keep` (b, T), zeros elsewhere;
+    differentiable in the values."""
+    zeros = torch.zeros((keep.shape[0], width), dtype=torch.float32, device=keep.device)
+    return zeros.masked_scatter(F.pad(keep, (0, width - keep.shape[1])), values) if len(values) else zeros
+
+
+def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0,
+                      with_entropy=False, group_size=1, chunk=LOGITS_CHUNK, shared_prompt=True):
+    """Per-token log pi(response | prompt) (b, T) from temperature-scaled logits, and optionally the
+    per-token entropy (b, T); both are 0 where response_mask is 0. group_size, shared_prompt: how the prompt
+    is run (response_hidden). The decoder gives hidden states; the LM head and the fp32 log-softmax then run
+    over `chunk` response tokens at a time and, when grad is on, are recomputed in backward: the logits of a
+    micro-batch (b x T x 151,936 for Qwen) and their gradient never exist in full."""
+    hidden, keep = response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
+                                   shared_prompt)
+    lm_head = model.get_output_embeddings()
     # only the n real response tokens go through the LM head: padding after the first EOS costs nothing
-    keep = response_mask[:, :T].bool()  # (b, T)
-    hidden, targets = hidden[keep], response_ids[:, :T][keep]  # (n, H), (n,)
+    hidden, targets = hidden[keep], response_ids[:, :keep.shape[1]][keep]  # (n, H), (n,)
     logprobs, entropy = [], []
     for s in range(0, len(targets), chunk):
         h, tg = hidden[s:s + chunk], targets[s:s + chunk]
@@ -998,12 +1242,36 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
             logprobs.append(_token_logprobs(lm_head, h, tg, temperature))
         if with_entropy:
             entropy.append(_token_entropy(lm_head, h, temperature))
-    zeros = torch.zeros(response_ids.shape, dtype=torch.float32, device=response_ids.device)  # (b, T_full)
-    full_keep = F.pad(keep, (0, response_ids.shape[1] - T))  # (b, T_full)
-    # scatter the n values back to their (row, position), zeros elsewhere; differentiable in the values
-    logprobs = zeros.masked_scatter(full_keep, torch.cat(logprobs)) if logprobs else zeros
-    entropy = (zeros.masked_scatter(full_keep, torch.cat(entropy)) if entropy else zeros) if with_entropy else None
+    width = response_ids.shape[1]
+    logprobs = _scatter_response(torch.cat(logprobs) if logprobs else hidden.new_zeros(0), keep, width)
+    entropy = _scatter_response(torch.cat(entropy) if entropy else hidden.new_zeros(0), keep, width) \
+        if with_entropy else None
     return logprobs, entropy
+
+
+def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask, group_size=1, shared_prompt=True):
+    """PPO's V(s_t) (b, T): the value model's scalar head on the hidden state before each response token, 0
+    past the response. The head (H x 1) runs in fp32 outside autocast (verl takes its bf16 output under
+    autocast): a value is a regression target's estimate, and bf16 keeps only ~3 digits of it."""
+    hidden, keep = response_hidden(critic, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
+                                   shared_prompt)
+    with torch.autocast(hidden.device.type, enabled=False):
+        values = critic.score(hidden[keep].float()).squeeze(-1)  # (n,)
+    return _scatter_response(values, keep, response_ids.shape[1])
+
+
+def _logprobs(cfg, model, roll, rows, with_entropy=False):
+    """response_logprobs of the rollout's rows on the step's route: each group's prompt run once (rows of a
+    slice smaller than a group share one prompt), unless --gradient-checkpointing."""
+    return response_logprobs(model, *_rows(roll, rows), cfg.temperature, with_entropy=with_entropy,
+                             group_size=min(cfg.group_size, rows.stop - rows.start),
+                             shared_prompt=not cfg.gradient_checkpointing)
+
+
+def _values(cfg, critic, roll, rows):
+    """response_values of the rollout's rows, on the route _logprobs takes."""
+    return response_values(critic, *_rows(roll, rows), group_size=min(cfg.group_size, rows.stop - rows.start),
+                           shared_prompt=not cfg.gradient_checkpointing)
 
 
 # ---- memory plan: what one step holds at its peak, predicted before the first step ------------------------
@@ -1148,13 +1416,18 @@ def copy_weights(dst, src):
 
 
 # ---- checkpoints: HF format + optimizer/RNG/step, written to a temp dir then renamed ----------------
-def save_checkpoint(cfg, model, tokenizer, optimizer, step):
+def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_optimizer=None):
+    """OUT/checkpoint-NNNNNN: the model and tokenizer (HF format), PPO's value model in critic/, and
+    trainer_state.pt (optimizers, RNG, step), written to a temporary dir and renamed."""
     final = os.path.join(cfg.out_dir, f"checkpoint-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)  # loadable by eval.py, transformers and vLLM
     tokenizer.save_pretrained(tmp)
+    if critic is not None:
+        critic.save_pretrained(os.path.join(tmp, "critic"))
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng_python": random.getstate(),
+                "critic_optimizer": critic_optimizer.state_dict() if critic_optimizer is not None else None,
                 "rng_numpy": np.random.get_state(), "rng_torch": torch.get_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                 "config": dataclasses.asdict(cfg)}, os.path.join(tmp, "trainer_state.pt"))
@@ -1213,12 +1486,46 @@ def check_config(cfg):
         raise ConfigError(f"--gen-batch-prompts must be >= 0 (0 = auto), got {cfg.gen_batch_prompts}")
     if cfg.temperature <= 0:
         raise ConfigError("--temperature must be > 0 for sampling")
+    if cfg.algo == "pacs" and cfg.loss_agg is not None:
+        raise ConfigError(f"--loss-agg {cfg.loss_agg} does not apply to --algo pacs (its BCE is a mean over responses)")
+    if cfg.algo != "pacs" and not cfg.implicit_critic:
+        raise ConfigError(f"--no-implicit-critic is PACS's ablation; --algo {cfg.algo} has no implicit critic")
+    if cfg.clip_c != 0 and cfg.clip_c <= 1:
+        raise ConfigError(f"--clip-c must be above 1 (the dual clip caps a negative advantage's loss at c |A|), "
+                          f"or 0 for no dual clip; got {cfg.clip_c}")
+    if not (0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
+        raise ConfigError(f"--gamma and --lam must be in [0, 1], got {cfg.gamma} and {cfg.lam}")
 
 
-def make_optimizer(cfg, model, fused=True):
-    """AdamW with the config's lr, betas and weight decay; fused by default (about 6x faster per step)."""
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+def make_optimizer(cfg, model, fused=True, lr=None):
+    """AdamW with the config's lr (or lr), betas and weight decay; fused by default (about 6x faster per step)."""
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
+
+
+def load_value_model(cfg, path, device):
+    """PPO's critic, as verl builds it: AutoModelForTokenClassification(num_labels=1) from the policy's
+    checkpoint (its decoder and a new scalar `score` head, no dropout), fp32 master weights like the actor's.
+    The head's random init draws from an RNG forked and seeded by --seed, so the global RNG, and with it
+    every sample, is what the other --algo runs see."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+    path = resolve_model_path(path)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report lists the LM head as unused and the new head as missing
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        try:
+            config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0)
+            critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot load a value model from {path!r}: {str(e).splitlines()[0]}") from None
+        finally:
+            hf_logging.set_verbosity(verbosity)
+    print(f"[ppo] value model: {type(critic).__name__} from {path}", file=sys.stderr)
+    if cfg.gradient_checkpointing:
+        critic.activation_checkpointing_enable()
+    return critic.to(device).eval()
 
 
 def setup_model(cfg, path, device):

@@ -542,7 +542,7 @@ def test_baseline_gradient_at_ratio_one(which, B, G):
     mask_list = [[1.0 if t < n else 0.0 for t in range(T)] for n in lengths]
     lp = to_t(lp_list, grad=True)
     fn = grpo_loss if which == "grpo" else reinforce_loss
-    loss = fn(lp, to_t(lp_list), to_t(mask_list), to_t(R), G)
+    loss = fn(lp, to_t(lp_list), to_t(mask_list), to_t(R), G, loss_agg="token-mean")
     loss.backward()
     A = ref_grpo_adv(R, G) if which == "grpo" else ref_rloo_adv(R, G)
     N = sum(lengths)
@@ -559,7 +559,7 @@ def test_grpo_clipping():
     lp = to_t([[math.log(1.5), 0.0],  # token (0,0): ratio 1.5 > 1 + eps, A > 0 -> clipped, zero grad
                [math.log(0.5), math.log(1.5)]], grad=True)  # (1,0): ratio 0.5 < 1 - eps, A < 0 -> clipped
     mask = torch.ones(2, 2, dtype=torch.float64)
-    loss = grpo_loss(lp, old, mask, to_t([1, 0]), 2, clip_eps=eps)
+    loss = grpo_loss(lp, old, mask, to_t([1, 0]), 2, clip_eps=eps, loss_agg="token-mean")
     loss.backward()
     A = ref_grpo_adv([1, 0], 2)
     assert A[0] > 0 > A[1]

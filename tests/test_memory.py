@@ -155,7 +155,7 @@ def test_bf16_rollout_copy_follows_the_trained_weights(digit_model, tmp_path, mo
 def test_checkpoints_are_also_written_by_the_clock(digit_model, tmp_path, monkeypatch):
     saved = []
     real = pacs.save_checkpoint
-    monkeypatch.setattr(pacs, "save_checkpoint", lambda cfg, m, t, o, step: saved.append(step) or real(cfg, m, t, o, step))
+    monkeypatch.setattr(pacs, "save_checkpoint", lambda cfg, m, t, o, step, *a: saved.append(step) or real(cfg, m, t, o, step, *a))
     run(digit_model, tmp_path / "clock", "--steps", "3", "--save-every", "0", "--save-minutes", "1e-9")
     assert saved == [0, 1, 2]
     saved.clear()

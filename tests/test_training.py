@@ -49,7 +49,7 @@ def record_rollout_and_losses(monkeypatch, poison=None):
         rec["next_row"] = 0
         return roll
 
-    def algo_loss(cfg, logprobs, old_logprobs, mask, rewards):
+    def algo_loss(cfg, logprobs, old_logprobs, mask, rewards, advantages=None):
         first = rec["next_row"]
         rows = range(first, first + logprobs.shape[0])
         rec["next_row"] = rows.stop
@@ -57,7 +57,7 @@ def record_rollout_and_losses(monkeypatch, poison=None):
         assert (rows.stop - 1) // ROWS_PER_MINI == mini, "a loss call spans two mini-batches"
         if "on_call" in rec:
             rec["on_call"](mini, first)
-        loss = real_loss(cfg, logprobs, old_logprobs, mask, rewards)
+        loss = real_loss(cfg, logprobs, old_logprobs, mask, rewards, advantages)
         rec["calls"].append({"rows": rows, "mini": mini, "logprobs": logprobs.detach().clone(),
                              "old": old_logprobs.detach().clone(), "mask": mask.detach().clone(),
                              "loss": loss.item()})
