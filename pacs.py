@@ -1523,6 +1523,9 @@ def load_value_model(cfg, path, device):
         finally:
             hf_logging.set_verbosity(verbosity)
     print(f"[ppo] value model: {type(critic).__name__} from {path}", file=sys.stderr)
+    with torch.no_grad():  # own, aligned storage: loaded weights sit at their file's offsets, the policy's file on a
+        for p in critic.parameters():  # fresh run, critic/ on a resumed one, and CPU kernels round by alignment
+            p.data = p.data.clone()
     if cfg.gradient_checkpointing:
         critic.activation_checkpointing_enable()
     return critic.to(device).eval()
