@@ -105,20 +105,24 @@ def run(model, out_dir, *extra):
 
 def test_out_of_memory_in_the_update_halves_the_micro_batch_and_loses_no_step(digit_model, tmp_path, monkeypatch,
                                                                                capsys):
-    real = pacs.response_logprobs
+    real, grad_calls = pacs.response_logprobs, {"n": 0}
 
-    def small_memory(model, prompt_ids, *a, **k):  # pretend more than 2 rows with grad do not fit
-        if torch.is_grad_enabled() and prompt_ids.shape[0] > 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    def small_memory(model, prompt_ids, *a, **k):  # 4 rows with grad fit once: the second such forward fails,
+        if torch.is_grad_enabled() and prompt_ids.shape[0] > 2:  # after the first has run backward
+            grad_calls["n"] += 1
+            if grad_calls["n"] > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(model, prompt_ids, *a, **k)
 
+    monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers: torch.arange(len(texts)) % 2.0)  # mixed groups
     reference = run(digit_model, tmp_path / "ref", "--steps", "2", "--micro-batch-size", "2")
     monkeypatch.setattr(pacs, "response_logprobs", small_memory)
-    rows = run(digit_model, tmp_path / "oom", "--steps", "2", "--micro-batch-size", "8")
-    assert "--micro-batch-size 8 -> 4" in capsys.readouterr().out
+    rows = run(digit_model, tmp_path / "oom", "--steps", "2", "--micro-batch-size", "4")
+    assert "mini-batch 0: --micro-batch-size 4 -> 2" in capsys.readouterr().out
     assert [r["micro_batch_size"] for r in rows] == [2, 2] and [r["step"] for r in rows] == [0, 1]
-    for r, ref in zip(rows, reference):  # the retried step is the step a 2-row run computes
+    for r, ref in zip(rows, reference):  # the retried step is the step a 2-row run computes, from clean gradients
         assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5) and r["reward"] == ref["reward"]
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
 
 def test_out_of_memory_in_generate_halves_the_batch_and_keeps_every_prompt(digit_model, monkeypatch, capsys):
