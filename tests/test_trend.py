@@ -108,9 +108,15 @@ class FakeRunner:
             assert "--resume" in cmd
             os.makedirs(out, exist_ok=True)
             start = trend.trained_steps(out)
+            critic = "--algo" in cmd and _flag(cmd, "--algo") in ("pacs", "ppo")
             with open(os.path.join(out, "metrics.jsonl"), "a") as f:
                 for step in range(start, steps):
-                    f.write(json.dumps({"step": step, "reward": 0.1 * step, "entropy": 1.0 - 0.01 * step}) + "\n")
+                    row = {"step": step, "reward": 0.1 * step, "entropy": 1.0 - 0.01 * step}
+                    if critic:  # 2 pairs at even steps, ranked 0.5 + 0.05 * seed; none at odd steps
+                        seed = int(_flag(cmd, "--seed"))
+                        row.update({"critic_pairs": 2 * (step % 2 == 0), "critic_shift": 0.01 * step,
+                                    "critic_auc": 0.5 + 0.05 * seed if step % 2 == 0 else None})
+                    f.write(json.dumps(row) + "\n")
             ckpt = os.path.join(out, f"checkpoint-{steps - 1:06d}")
             os.makedirs(ckpt, exist_ok=True)
             open(os.path.join(ckpt, "trainer_state.pt"), "w").close()
@@ -182,6 +188,13 @@ def test_summary_statistics_from_the_run_files(tmp_path, monkeypatch):
     summary = (out / "summary.md").read_text()
     assert claim["sentence"] in summary and "| base model | - | 0.200 | 0.260 |" in summary
     assert os.path.getsize(out / "trend_passk.png") > 0 and os.path.getsize(out / "trend_curves.png") > 0
+    # the critic: AUC pooled over a run's steps, per seed 0.5, 0.55, 0.6; the shift's mean over steps 0..3
+    auc = stats["critic"]["pacs"]["critic_auc"]
+    assert auc["per_seed"] == {"0": pytest.approx(0.5), "1": pytest.approx(0.55), "2": pytest.approx(0.6)}
+    assert auc["mean_ci95_t"] == pytest.approx(list(trend.t_interval([0.5, 0.55, 0.6])))
+    assert stats["critic"]["pacs"]["critic_shift"]["mean_ci95_t"][0] == pytest.approx(0.015)
+    assert "grpo" not in stats["critic"] and auc["sentence"] in summary
+    assert os.path.getsize(out / "trend_critic.png") > 0
 
 
 def test_changed_settings_and_overtrained_runs_are_refused(tmp_path, monkeypatch, capsys):
@@ -195,10 +208,15 @@ def test_changed_settings_and_overtrained_runs_are_refused(tmp_path, monkeypatch
     with pytest.raises(SystemExit) as e:
         trend.main(_argv(out)[:-6] + ["--steps", "3", "--eval-n", "4", "--last", "2"])
     assert "has trained 4 steps, more than --steps 3" in str(e.value)
+    # a method whose pacs.py flags changed since its runs were made (grpo was token-mean once)
+    monkeypatch.setitem(trend.METHODS, "grpo", ["--algo", "grpo", "--loss-agg", "token-mean"])
+    with pytest.raises(SystemExit) as e:
+        trend.main(_argv(out))
+    assert "holds grpo runs made with other pacs.py flags (['--algo', 'grpo'] there" in str(e.value)
 
 
 @pytest.mark.parametrize("more, message", [
-    (["--methods", "pacs", "ppo"], "unknown method 'ppo'"),
+    (["--methods", "pacs", "dpo"], "unknown method 'dpo'"),
     (["--prompts", "6"], "--prompts 6 is not divisible by --num-mini-batches 4"),
     (["--seeds", "0", "0"], "repeats a seed"),
     (["--pass-k", "32"], "--pass-k 32 must be in 1..--eval-n (16)"),
@@ -217,7 +235,9 @@ def test_methods_are_the_papers_runs():
     flags = {m: " ".join(f) for m, f in trend.METHODS.items()}
     assert "--beta 2.0" in flags["pacs-beta2"] and "--no-balance" in flags["pacs-no-balance"]
     assert "--estimator grpo" in flags["pacs-est-grpo"] and "--estimator drgrpo" in flags["pacs-est-drgrpo"]
-    assert flags["grpo"] == "--algo grpo" and flags["reinforce"] == "--algo reinforce"
+    assert flags["grpo"] == "--algo grpo" and flags["reinforce"] == "--algo reinforce" and flags["ppo"] == "--algo ppo"
+    assert flags["pacs-critic-off"] == flags["pacs"] + " --no-implicit-critic"
+    assert trend.DEFAULT_METHODS == ["pacs", "pacs-critic-off", "grpo", "ppo", "reinforce"]
 
 
 def test_every_methods_command_is_a_valid_pacs_config(tmp_path):
@@ -227,7 +247,7 @@ def test_every_methods_command_is_a_valid_pacs_config(tmp_path):
     trend.check_args(args)
     want = {"pacs": ("pacs", 1.0, "rloo", True), "pacs-beta2": ("pacs", 2.0, "rloo", True),
             "pacs-est-grpo": ("pacs", 1.0, "grpo", True), "pacs-est-drgrpo": ("pacs", 1.0, "drgrpo", True),
-            "pacs-no-balance": ("pacs", 1.0, "rloo", False)}
+            "pacs-no-balance": ("pacs", 1.0, "rloo", False), "pacs-critic-off": ("pacs", 1.0, "rloo", True)}
     for method in trend.METHODS:
         cfg = pacs.parse_args(trend.train_command(args, method, 3)[2:])
         pacs.check_config(cfg)
@@ -235,8 +255,14 @@ def test_every_methods_command_is_a_valid_pacs_config(tmp_path):
         assert cfg.resume and cfg.out_dir == os.path.join(str(tmp_path), f"{method}-s3")
         if method in want:
             assert (cfg.algo, cfg.beta, cfg.estimator, cfg.balance) == want[method]
+            assert cfg.implicit_critic == (method != "pacs-critic-off")
         else:
-            assert cfg.algo == method
+            assert cfg.algo == method.split("-")[0]
+    # the earlier sweep's grpo: verl's default token-mean, no dual clip, no grad clip; the paper's is the default
+    old = pacs.parse_args(trend.train_command(args, "grpo-token-mean", 0)[2:])
+    paper = pacs.parse_args(trend.train_command(args, "grpo", 0)[2:])
+    assert (old.loss_agg, old.clip_c, old.max_grad_norm) == ("token-mean", 0.0, 0.0)
+    assert (paper.loss_agg, paper.clip_c, paper.max_grad_norm) == ("seq-mean-token-sum-norm", 3.0, 1.0)
 
 
 # ---- end to end, in process, on the tiny model --------------------------------------------------------
