@@ -411,7 +411,8 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     # run once for its group unless --gradient-checkpointing (_logprobs). Every later forward whose log-probs
     # meet these in a ratio runs the same way, because bf16 rounds differently on another route (~1e-2 per
     # token): PACS sums up to 1,024 token log-ratios into psi, so a mismatch is psi != 0 where the weights have
-    # not moved, which the BCE takes for critic signal. GRPO's and PPO's clipped per-token ratios shrug it off.
+    # not moved, which the BCE takes for critic signal. GRPO and PPO take the ratio token by token: the same
+    # noise stays ~1e-2 per token there, and clipped, instead of adding up in one score.
     B, rows_per_mini = P * G, P * G // M
     mask = roll["response_mask"].float()  # (B, T)
     old_logprobs = torch.zeros_like(mask)  # (B, T)
