@@ -197,6 +197,15 @@ class PACSTrainer(GRPOTrainer):
             self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
+    def log(self, logs, start_time=None):
+        # critic_auc as pacs.py computes it: right-above-wrong pairs over all pairs of the logged micro-steps (TRL
+        # would average the per-micro-step ratios, weighing a micro-batch with one pair like one with sixteen)
+        m = self._metrics["train"]
+        won, pairs = sum(m.pop("pacs/critic_won", [])), sum(m.pop("pacs/critic_pairs", []))
+        if pairs > 0:
+            m["pacs/critic_auc"] = [won / pairs]
+        super().log(logs, start_time)
+
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         G = self._group_size()
@@ -228,6 +237,13 @@ class PACSTrainer(GRPOTrainer):
             self._metrics[mode]["pacs/psi_std"].append(psi_all.std().item() if psi_all.numel() > 1 else 0.0)
             self._metrics[mode]["pacs/sigma_psi"].append(torch.sigmoid(psi_all).mean().item())
             self._metrics[mode]["pacs/loss"].append(self.accelerator.gather(loss.detach()).mean().item())
+            # the critic's ranking (pacs.group_auc) on mini-batches 1..M-1, where psi != 0: this micro-step's index
+            # in the generation, over the accumulation steps, is its mini-batch. Pooled into an AUC by log().
+            if mode == "train" and (self._step % a.steps_per_generation) // a.gradient_accumulation_steps >= 1:
+                won, pairs = pacs.group_auc(psi, inputs["pacs_rewards"], G)
+                won, pairs = self.accelerator.reduce(torch.stack([won, pairs.to(won.dtype)]), reduction="sum")
+                self._metrics[mode]["pacs/critic_won"].append(won.item())
+                self._metrics[mode]["pacs/critic_pairs"].append(pairs.item())
             self._metrics[mode]["entropy"].append((ent[0] / ent[1].clamp(min=1.0)).item())
         # loss_is_scaled_for_ga: the Trainer does not divide; equal-sized micro-batches per process, processes
         # averaged by DDP, so sum over the window of loss / GA = mean over the mini-batch's rows
@@ -282,7 +298,8 @@ def metrics_logger(path):
                   f"len {g('completions/mean_length', float('nan')):.1f} | "
                   f"trunc {g('completions/clipped_ratio', float('nan')):.2f} | ent {g('entropy', float('nan')):.3f} | "
                   f"psi {g('pacs/psi_mean', float('nan')):+.3f}±{g('pacs/psi_std', float('nan')):.3f} "
-                  f"sigma {g('pacs/sigma_psi', float('nan')):.3f} | {dt:.1f}s", flush=True)
+                  f"sigma {g('pacs/sigma_psi', float('nan')):.3f} | critic auc {g('pacs/critic_auc', float('nan')):.2f} | "
+                  f"{dt:.1f}s", flush=True)
 
     return MetricsLogger()
 

@@ -87,7 +87,7 @@ def test_where_the_weights_have_not_moved_the_log_ratio_is_exactly_zero_under_bf
     calls, rows = run_recording(wide_model, tmp_path, monkeypatch, "--algo", algo, "--autocast", "bf16", *flags)
     if oom is not None:
         assert oom["done"] and "[memory] out of memory" in capsys.readouterr().out
-    assert len(calls) >= 2 * M
+    assert len(calls) >= M  # at least one loss call per mini-batch
     for logprobs, old, mask in calls:
         real = mask.bool()
         assert torch.equal(logprobs[real], old[real]), f"{algo}, {route}: pi_theta != pi_old at lr 0"

@@ -47,6 +47,9 @@ def test_same_gradient_as_pacs_train_step(tiny_model_dir, rollout, tmp_path, mon
         psi_std = [row["pacs/psi_std"] for row in trainer.state.log_history if "pacs/psi_std" in row]
         print(f"psi std per mini-batch (TRL): {psi_std}")
         assert psi_std[0] < 1e-4 < 0.05 < psi_std[1]
+        # the critic's AUC on mini-batch 1, pooled over its pairs as pacs.py pools it (none on mini-batch 0)
+        auc = [row.get("pacs/critic_auc") for row in trainer.state.log_history if "pacs/psi_std" in row]
+        assert auc[0] is None and auc[1] == pytest.approx(metrics["critic_auc"], abs=1e-6) and metrics["critic_pairs"]
 
 
 def test_two_processes_same_update_as_one(tiny_model_dir, rollout, tmp_path):
