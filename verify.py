@@ -77,6 +77,16 @@ _SPAN = re.compile(r"\$\$(.{1,1000}?)\$\$|\$([^$]{1,1000}?)\$|\\\((.{1,1000}?)\\
 _NUMBER = re.compile(r"(?<![A-Za-z_\d])(?:-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+)")
 
 
+def _undouble(s: str) -> str:
+    """Text JSON-encoded twice has every backslash doubled (`\\\\sqrt{2}`, `\\\\left[`). Singly
+    escaped LaTeX writes a command with one backslash (three after a row break `\\\\`), so when
+    every command in `s` has an even run of backslashes, halve every run."""
+    runs = [m.end() - m.start() for m in re.finditer(r"\\+(?=[a-zA-Z])", s)]
+    if runs and all(r % 2 == 0 for r in runs):
+        return s.replace("\\\\", "\\")
+    return s
+
+
 def _box_arg(s: str, i: int):
     """The argument of a box command whose name ends at `i`: (text, end) or None."""
     j = i
@@ -179,7 +189,7 @@ def extract_answer(response: str, strict: bool = False) -> str | None:
     """
     if not isinstance(response, str):
         return None
-    s = response[-MAX_RESPONSE:]
+    s = _undouble(response[-MAX_RESPONSE:])
     if _BOX.search(s):
         box = _boxed(s)
         return box.strip() or None if box is not None else None
@@ -252,6 +262,7 @@ def _number_words(s: str) -> str:
 
 def _normalize(s: str) -> str:
     """Canonical spelling of an answer string (spaces kept, collapsed)."""
+    s = _undouble(s)
     for k, v in _UNICODE.items():
         s = s.replace(k, v)
     s = re.sub(r"\s+", " ", s)  # first: with single spaces no `\s*` below can backtrack badly
@@ -1150,7 +1161,7 @@ def verify(response: str, gold: str, strict: bool = False, timeout: float = TIME
         ctx = {"left": timeout}  # one budget for all the comparisons of this response
         if _is_equiv(answer, gold, ctx) or _names_value(answer, gold, ctx):
             return True
-        s = response[-MAX_RESPONSE:]
+        s = _undouble(response[-MAX_RESPONSE:])
         if not _BOX.search(s):
             return False
         group = _box_group(s) or []

@@ -102,6 +102,8 @@ def test_trap_is_false(response, gold):
     ("so we get $x = 3$ in the end", "x = 3"),
     ("we count 3 apples and 4 pears, 7 in total", "7"),
     ("no digits here", None),
+    (r"so \\boxed{\\sqrt{2}}", r"\sqrt{2}"),  # JSON encoded twice: every backslash doubled
+    (r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),  # a row break is no doubled command
     (None, None),
 ])
 def test_extract_answer(response, expected):
