@@ -75,6 +75,10 @@ _SPAN = re.compile(r"\$\$(.{1,1000}?)\$\$|\$([^$]{1,1000}?)\$|\\\((.{1,1000}?)\\
 # A number glued to a letter on its left is part of a word or a name (`AB2C`, `x2y`, `H2O`,
 # `a_2`), never a final answer; letters only on its right (`5cm`, `3rd`) are a unit or an ordinal.
 _NUMBER = re.compile(r"(?<![A-Za-z_\d])(?:-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+)")
+# A relation between a variable and the last number is the answer, not the number alone:
+# `y <= 7`, `t >= -3`, `n != 4`, `-2 <= x < 7` (a chain from a number through the variable).
+_RELATION_BEFORE = re.compile(r"(?:(?<![\w.])-?\d+(?:\.\d+)?\s*(?:<=|<|≤)\s*)?(?<![A-Za-z\\])[a-zA-Z](?:_\{?\w+\}?)?"
+                              r"\s*(?:<=|>=|!=|<|>|≤|≥|≠)\s*$")
 
 
 def _undouble(s: str) -> str:
@@ -153,7 +157,10 @@ def _box_group(s: str):
 
 
 def _after_last_equals(x: str) -> str:
-    """`\\frac12 \\cdot 10 = 5` -> `5`; keeps `x = 5` (an assignment) and `... = 0` (an equation)."""
+    """`\\frac12 \\cdot 10 = 5` -> `5`; keeps `x = 5` (an assignment), `... = 0` (an equation)
+    and inequalities (`y <= 7` holds an `=` that is not an equals sign)."""
+    if re.search(r"[<>!]=|\\[lg]e|\\ne", x):
+        return x
     bits = _split_top(x, "=")
     if len(bits) > 1 and not _is_name(bits[0].strip()) and bits[-1].strip() not in ("0", ""):
         return bits[-1]
@@ -205,7 +212,10 @@ def extract_answer(response: str, strict: bool = False) -> str | None:
     if spans and (not nums or spans[-1].end() >= nums[-1].end()):
         text = next(g for g in spans[-1].groups() if g is not None).strip().rstrip(".,")
         return _after_last_equals(text).strip() or None
-    return nums[-1].group(0) if nums else None
+    if not nums:
+        return None
+    rel = _RELATION_BEFORE.search(s, max(0, nums[-1].start() - 40), nums[-1].start())
+    return s[rel.start() if rel else nums[-1].start() : nums[-1].end()]
 
 
 # ---------------------------------------------------------------------------------------

@@ -101,6 +101,10 @@ def test_trap_is_false(response, gold):
     ("#### 1,234", "1,234"),
     ("so we get $x = 3$ in the end", "x = 3"),
     ("we count 3 apples and 4 pears, 7 in total", "7"),
+    ("so the condition is n != 4.", "n != 4"),  # an ASCII relation ending at the last number is the answer
+    ("Combining both, -2 <= x < 7.", "-2 <= x < 7"),
+    ("the level of H2 >= 3", "3"),  # a name glued to a digit is no variable
+    ("The inequality holds when $k >= 5$.", "k >= 5"),  # not split at the `=` of `>=`
     ("no digits here", None),
     (r"so \\boxed{\\sqrt{2}}", r"\sqrt{2}"),  # JSON encoded twice: every backslash doubled
     (r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),  # a row break is no doubled command
