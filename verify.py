@@ -69,7 +69,18 @@ WORKER_MEMORY = 2 << 30  # address-space cap (bytes) of the sympy worker
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
 # What may separate boxes that are read together: spaces, commas, "and"/"or", math delimiters.
 _BOX_GAP = re.compile(r"(?:\s|[,;&]|\$|\\[\[\]()]|\\q?quad|\\text\{\s*(?:and|or)?\s*\}|and|or)*")
-_CUE = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*:?|####", re.I)
+# Answer cues in the languages models answer in: an answer noun, then a copula or a colon ("the
+# answer is", "Answer:", "la réponse est", "die Antwort lautet", "Ответ:", "答案是", "答えは").
+_FINAL = (r"final answer|réponse finale|respuesta final|resposta final|risposta finale|endantwort|endgültige antwort|"
+          r"окончательный ответ|最终答案|最終答案|最終的な答え|최종 답")
+_ANSWER = r"answer|réponse|respuesta|resposta|risposta|antwort|antwoord|ответ|答案|答え|解答|答|정답|답"
+_COPULA = r"(?:is|est|es|é|è|ist|lautet|равен|равна|равно|будет)\b|是(?!否)|为|為|は|은|는|—|[:：=]"
+_CUE = re.compile(rf"(?:(?:{_FINAL}|{_ANSWER})(?:\s+(?:correct[ae]?|corret[ao]|corrett[ao]))?[*\s]*(?:{_COPULA})"
+                  rf"|\b(?:ist|lautet) die (?:end)?antwort\b)[*\s]*[:：]?|####", re.I)
+# What may stand between a cue and its answer ("the answer is therefore 5", "la réponse est donc 5").
+_CONNECTIVE = re.compile(r"(?:(?:therefore|thus|hence|so|then|donc|alors|ainsi|entonces|pues|portanto|então|logo|quindi|"
+                         r"dunque|also|daher|somit|итак|значит)\b[,\s]*)+", re.I)
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]")
 # Bounded spans: an unbounded lazy `.+?` rescans the rest of the text from every `\(`.
 _SPAN = re.compile(r"\$\$(.{1,1000}?)\$\$|\$([^$]{1,1000}?)\$|\\\((.{1,1000}?)\\\)|\\\[(.{1,1000}?)\\\]", re.S)
 # A number glued to a letter on its left is part of a word or a name (`AB2C`, `x2y`, `H2O`,
@@ -78,7 +89,7 @@ _NUMBER = re.compile(r"(?<![A-Za-z_\d])(?:-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?
 # A relation between a variable and the last number is the answer, not the number alone:
 # `y <= 7`, `t >= -3`, `n != 4`, `-2 <= x < 7` (a chain from a number through the variable).
 _RELATION_BEFORE = re.compile(r"(?:(?<![\w.])-?\d+(?:\.\d+)?\s*(?:<=|<|≤)\s*)?(?<![A-Za-z\\])[a-zA-Z](?:_\{?\w+\}?)?"
-                              r"\s*(?:<=|>=|!=|<|>|≤|≥|≠)\s*$")
+                              r"\s*(?:<=|>=|\s!=|<|>|≤|≥|≠)\s*$")
 
 
 def _undouble(s: str) -> str:
@@ -159,28 +170,55 @@ def _box_group(s: str):
 def _after_last_equals(x: str) -> str:
     """`\\frac12 \\cdot 10 = 5` -> `5`; keeps `x = 5` (an assignment), `... = 0` (an equation)
     and inequalities (`y <= 7` holds an `=` that is not an equals sign)."""
-    if re.search(r"[<>!]=|\\[lg]e|\\ne", x):
-        return x
-    bits = _split_top(x, "=")
+    bits = []
+    for bit in _split_top(x, "="):  # the `=` of `<=`, `>=`, ` !=` belongs to the relation (`5!=120` is a factorial)
+        if bits and re.search(r"[<>]$|\s!$", bits[-1]):
+            bits[-1] += "=" + bit
+        else:
+            bits.append(bit)
     if len(bits) > 1 and not _is_name(bits[0].strip()) and bits[-1].strip() not in ("0", ""):
         return bits[-1]
     return x
 
 
+def _prose(text: str) -> bool:
+    """Words, not math: two words outside LaTeX commands (three letters or more in any alphabet,
+    not all capitals: `RPS` names a figure), or any CJK character."""
+    words = re.findall(r"(?=[^\W\d_]*[^\W\d_A-Z])[^\W\d_]{3,}", re.sub(r"\\[a-zA-Z]+(\{[^{}]*\})?", " ", text))
+    return len([w for w in words if w.lower() not in ("and", "or")]) >= 2 or bool(_CJK.search(text))
+
+
+def _currency_prose(text: str) -> bool:
+    """Is a `$...$` "span" words that open or close with an amount (`$75 and she pays $`,
+    `15 $, so five books cost 75 $`): currency signs around prose, not math?"""
+    return bool(re.match(r"\s*\d|.*\d\s*$", text, re.S)) and _prose(text)
+
+
+def _math_span(seg: str):
+    """The content of the math span that opens `seg`, or None."""
+    m = _SPAN.match(seg)
+    text = next(g for g in m.groups() if g is not None) if m else None
+    return None if text is None or _currency_prose(text) else text
+
+
 def _clean_cue(seg: str):
     """Turn the text after an answer cue into an answer: the first math span, else the
-    clause up to the sentence end, reduced to what follows "is", else its last number."""
-    seg = seg.strip()
-    m = _SPAN.match(seg)
-    if m:
-        return next(g for g in m.groups() if g is not None)
-    seg = re.split(r"\.(?:\s|$)|\n| I hope", seg)[0]
-    seg = re.split(r"\bis\b", seg)[-1].strip()
-    m = _SPAN.match(seg)
-    if m:
-        return next(g for g in m.groups() if g is not None)
-    words = re.findall(r"[A-Za-z]{3,}", re.sub(r"\\[a-zA-Z]+(\{[^{}]*\})?", " ", seg))
-    if len([w for w in words if w.lower() not in ("and", "or")]) >= 2:  # prose
+    clause up to the sentence end, reduced to what follows "is" (in any language) and cut
+    where a comma opens a word (`42, denn 6 · 7 = 42`), else its last number."""
+    seg = _CONNECTIVE.sub("", seg.strip(), count=1)
+    span = _math_span(seg)
+    if span is not None:
+        return span
+    seg = re.split(r"\.(?:\s|$)|。|\n| I hope", seg)[0]
+    seg = re.split(r"\b(?:is|est|es|é|è|ist|lautet)\b|是|为|為|は", seg)[-1].strip()
+    seg = _CONNECTIVE.sub("", seg, count=1)
+    span = _math_span(seg)
+    if span is not None:
+        return span
+    head = re.split(r",\s*(?!(?:and|or|et|ou|und|oder|или)\b)(?=[^\W\d_]{2,})", seg)[0].strip()
+    if head and not _prose(head):
+        return head
+    if _prose(seg):
         nums = _NUMBER.findall(seg)
         return nums[-1] if nums else None
     return seg or None
@@ -208,7 +246,8 @@ def extract_answer(response: str, strict: bool = False) -> str | None:
         ans = _clean_cue(s[cues[-1].end() : cues[-1].end() + 400])
         if ans:
             return ans.strip()
-    spans, nums = list(_SPAN.finditer(s)), list(_NUMBER.finditer(s))
+    spans = [m for m in _SPAN.finditer(s) if not _currency_prose(next(g for g in m.groups() if g is not None))]
+    nums = list(_NUMBER.finditer(s))
     if spans and (not nums or spans[-1].end() >= nums[-1].end()):
         text = next(g for g in spans[-1].groups() if g is not None).strip().rstrip(".,")
         return _after_last_equals(text).strip() or None
@@ -227,7 +266,7 @@ _UNICODE = {"−": "-", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ", "√"
             "°": "", "\u00a0": " "}
 _UNITS = (r"(?:square |sq\.? |cubic )?(?:units?|cm|mm|km|meters?|metres?|inch(?:es)?|in|feet|foot|ft|"
           r"yards?|yd|miles?|mi|kg|grams?|pounds?|lbs?|seconds?|sec|minutes?|min|hours?|hrs?|days?|"
-          r"weeks?|months?|years?|degrees?|deg|radians?|dollars?|cents?|mph|people|students|ways)")
+          r"weeks?|months?|years?|degrees?|deg|radians?|dollars?|cents?|euros?|yen|yuan|rupees?|pesos?|mph|people|students|ways)")
 _ROW = "\ue000"  # stands for `\\` (not whitespace, unlike \x1e)
 _TEXTCMD = r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox|boldsymbol|operatorname)"
 _UNITCMD = r"\\(?:text|textbf|textit|textrm|textnormal|mbox)"
@@ -293,6 +332,7 @@ def _normalize(s: str) -> str:
     s = re.sub(r"\\colon(?![a-zA-Z])|\\mathbin\{:\}|\\ratio(?![a-zA-Z])", ":", s)
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])", "", s)
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "%").replace("**", "^")
+    s = re.sub(r"[€£¥₹₽₩]|\\(?:euro|pounds|yen|textdollar|texteuro|textsterling|textyen)(?![a-zA-Z])", "", s)  # like `$`
     s = re.sub(r"(?<=[\d}])\s*(?:percent|pct)\b", "%", s)
     s = re.sub(r"\s*,?\s*\\text\{\s*,?\s*(?:and|or)\s*\}\s*|\s*,?\s+(?:and|or)\s+", ",", s)  # `6, 8, and 10`
     s = _SCALED.sub(_scaled, s)  # `4 \text{ million}` is 4000000 (before units: a scale is not a unit)

@@ -106,6 +106,12 @@ def test_trap_is_false(response, gold):
     ("the level of H2 >= 3", "3"),  # a name glued to a digit is no variable
     ("The inequality holds when $k >= 5$.", "k >= 5"),  # not split at the `=` of `>=`
     ("no digits here", None),
+    ("La réponse est donc 12, obtenue en 3 étapes.", "12"),  # answer cues in other languages, a connective after the cue
+    ("Die Antwort lautet $\\frac{7}{2}$. Probe: 2 \\cdot 3.5 = 7", "\\frac{7}{2}"),
+    ("Ответ: 15. Проверка: 15 − 3 = 12.", "15"),
+    ("所以答案是 $\\frac{1}{3}$。验证：3 × 3 = 9。", "\\frac{1}{3}"),
+    ("**Answer:** 42", "42"),
+    ("He pays $20, and she pays 75 $.", "75"),  # `$20, and she pays 75 $` is currency around prose, not a math span
     (r"so \\boxed{\\sqrt{2}}", r"\sqrt{2}"),  # JSON encoded twice: every backslash doubled
     (r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),  # a row break is no doubled command
     (None, None),
