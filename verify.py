@@ -167,9 +167,11 @@ def _box_group(s: str):
     return parts
 
 
-def _after_last_equals(x: str) -> str:
+def _after_last_equals(x: str, chain: bool = False) -> str:
     """`\\frac12 \\cdot 10 = 5` -> `5`; keeps `x = 5` (an assignment), `... = 0` (an equation)
-    and inequalities (`y <= 7` holds an `=` that is not an equals sign)."""
+    and inequalities (`y <= 7` holds an `=` that is not an equals sign). With `chain`, only a
+    chain of equalities ending in a constant gives its last member (`3y = 2x = \\frac74`):
+    after an answer cue, `x + y = 5` is an equation."""
     bits = []
     for bit in _split_top(x, "="):  # the `=` of `<=`, `>=`, ` !=` belongs to the relation (`5!=120` is a factorial)
         if bits and re.search(r"[<>]$|\s!$", bits[-1]):
@@ -177,7 +179,8 @@ def _after_last_equals(x: str) -> str:
         else:
             bits.append(bit)
     if len(bits) > 1 and not _is_name(bits[0].strip()) and bits[-1].strip() not in ("0", ""):
-        return bits[-1]
+        if not chain or (len(bits) > 2 and _is_constant(bits[-1])):
+            return bits[-1]
     return x
 
 
@@ -244,8 +247,8 @@ def extract_answer(response: str, strict: bool = False) -> str | None:
     cues = list(_CUE.finditer(s))
     if cues:
         ans = _clean_cue(s[cues[-1].end() : cues[-1].end() + 400])
-        if ans:
-            return ans.strip()
+        if ans and ans.strip():
+            return _after_last_equals(ans, chain=True).strip()
     spans = [m for m in _SPAN.finditer(s) if not _currency_prose(next(g for g in m.groups() if g is not None))]
     nums = list(_NUMBER.finditer(s))
     if spans and (not nums or spans[-1].end() >= nums[-1].end()):
