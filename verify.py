@@ -75,6 +75,8 @@ _FINAL = (r"final answer|réponse finale|respuesta final|resposta final|risposta
           r"окончательный ответ|最终答案|最終答案|最終的な答え|최종 답")
 _ANSWER = r"answer|réponse|respuesta|resposta|risposta|antwort|antwoord|ответ|答案|答え|解答|答|정답|답"
 _COPULA = r"(?:is|est|es|é|è|ist|lautet|равен|равна|равно|будет)\b|是(?!否)|为|為|は|은|는|—|[:：=]"
+# A final-answer cue after the last box states the answer that box was not (see _stated_after_box).
+_FINAL_CUE = re.compile(rf"(?:{_FINAL})[*\s]*(?:{_COPULA})[*\s]*[:：]?", re.I)
 _CUE = re.compile(rf"(?:(?:{_FINAL}|{_ANSWER})(?:\s+(?:correct[ae]?|corret[ao]|corrett[ao]))?[*\s]*(?:{_COPULA})"
                   rf"|\b(?:ist|lautet) die (?:end)?antwort\b)[*\s]*[:：]?|####", re.I)
 # What may stand between a cue and its answer ("the answer is therefore 5", "la réponse est donc 5").
@@ -204,10 +206,11 @@ def _math_span(seg: str):
     return None if text is None or _currency_prose(text) else text
 
 
-def _clean_cue(seg: str):
+def _clean_cue(seg: str, prose: bool = True):
     """Turn the text after an answer cue into an answer: the first math span, else the
     clause up to the sentence end, reduced to what follows "is" (in any language) and cut
-    where a comma opens a word (`42, denn 6 · 7 = 42`), else its last number."""
+    where a comma opens a word (`42, denn 6 · 7 = 42`), else (if `prose`) the last number
+    of a clause of prose."""
     seg = _CONNECTIVE.sub("", seg.strip(), count=1)
     span = _math_span(seg)
     if span is not None:
@@ -223,27 +226,62 @@ def _clean_cue(seg: str):
         return head
     if _prose(seg):
         nums = _NUMBER.findall(seg)
-        return nums[-1] if nums else None
+        return nums[-1] if nums and prose else None
     return seg or None
+
+
+def _stated_after_box(s: str):
+    """The answer of an explicit final-answer statement after the last box ("... the first part
+    is \\boxed{48} ... Final Answer: The final answer is $5,280$."), or None. It must state a
+    math span or a short clause: prose that only mentions a number ("this final answer is
+    consistent with the first part, 48") restates a step and leaves the box the answer."""
+    last = None
+    for last in _BOX.finditer(s):
+        pass
+    if last is None or not _FINAL_CUE.search(s, last.end()):
+        return None  # the common case, found without parsing a box
+    boxes = _boxes(s)
+    if boxes[-1][1] is None:
+        return None  # an unclosed last box
+    tail = s[boxes[-1][1] :][-MAX_TAIL:]
+    cues = list(_FINAL_CUE.finditer(tail))
+    if not cues:
+        return None
+    ans = _clean_cue(tail[cues[-1].end() : cues[-1].end() + 400], prose=False)
+    return _after_last_equals(ans, chain=True).strip() or None if ans and ans.strip() else None
 
 
 def extract_answer(response: str, strict: bool = False) -> str | None:
     """The final answer of a model response, or None.
 
-    The last `\\boxed{...}`/`\\fbox{...}` wins; an empty or unclosed last box is no answer
-    (a response that boxes is judged by its box alone). With `strict=True` only boxes count.
-    Otherwise: the last answer cue ("the final answer is", "answer:", "####"), then the
+    The last `\\boxed{...}`/`\\fbox{...}` wins, unless an explicit final-answer statement
+    follows it ("Final Answer: The final answer is $5,280$."); an empty or unclosed last box is
+    no answer (a response that boxes is judged by its box alone). With `strict=True` only boxes
+    count. Otherwise: the last answer cue ("the final answer is", "answer:", "####"), then the
     last `$...$` / `\\(...\\)` / `\\[...\\]` span or the last number, whichever is later.
     """
+    return _extract(response, strict)[0]
+
+
+def _extract(response: str, strict: bool):
+    """(answer, searched text, whether the answer is the response's boxes)."""
     if not isinstance(response, str):
-        return None
+        return None, "", False
     s = _undouble(response[-MAX_RESPONSE:])
     if _BOX.search(s):
+        stated = None if strict else _stated_after_box(s)
+        if stated is not None:
+            return stated, s, False
         box = _boxed(s)
-        return box.strip() or None if box is not None else None
+        return (box.strip() or None if box is not None else None), s, True
     if strict:
-        return None
-    s = s[-MAX_TAIL:]
+        return None, s, False
+    return _unboxed(s[-MAX_TAIL:]), s, False
+
+
+def _unboxed(s: str):
+    """The answer of a response without a box: its last answer cue, else its last math span or
+    its last number, whichever comes later."""
     cues = list(_CUE.finditer(s))
     if cues:
         ans = _clean_cue(s[cues[-1].end() : cues[-1].end() + 400])
@@ -1208,14 +1246,13 @@ def verify(response: str, gold: str, strict: bool = False, timeout: float = TIME
     gold is only ever judged by the last box (or side-by-side list), so several candidates
     stay wrong."""
     try:
-        answer = extract_answer(response, strict=strict)
+        answer, s, boxed = _extract(response, strict)
         if answer is None:
             return False
         ctx = {"left": timeout}  # one budget for all the comparisons of this response
         if _is_equiv(answer, gold, ctx) or _names_value(answer, gold, ctx):
             return True
-        s = _undouble(response[-MAX_RESPONSE:])
-        if not _BOX.search(s):
+        if not boxed:  # a stated final answer outranks the boxes before it
             return False
         group = _box_group(s) or []
         if 1 < len(group) <= MAX_ITEMS and all(_is_equiv(p, gold, ctx) for p in group):

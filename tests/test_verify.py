@@ -125,6 +125,8 @@ def test_strict_accepts_only_boxes():
     assert verify.extract_answer(r"The answer is \boxed{5}.", strict=True) == "5"
     assert verify.verify("The answer is 5.", "5") is True
     assert verify.verify("The answer is 5.", "5", strict=True) is False
+    stated = r"First \boxed{48}, so 48 \cdot 110 laps. Final Answer: The final answer is $5280$."
+    assert verify.extract_answer(stated) == "5280" and verify.extract_answer(stated, strict=True) == "48"
 
 
 @pytest.mark.parametrize("answer,gold,expected", [
