@@ -367,6 +367,7 @@ def _normalize(s: str) -> str:
     s = re.sub(r"(\d)\s*(?:\{\s*,\s*\}|,\s*\\!\s*|\\,)\s*(?=\d{3}(?!\d))", r"\1", s)
     s = re.sub(r"\\(?:left\.|right\.|displaystyle|textstyle|!)", "", s)
     s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])", "", s)
+    s = re.sub(r"\s*\\q?quad\s*(?=[a-zA-Z](?:_\{?\w+\}?)?\s*=)", ";", s)  # `x = 2 \quad x = 1`: two answers
     s = re.sub(r"\\[,:; ]|\\q?quad(?![a-zA-Z])|~", " ", s)
     s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
     s = re.sub(r"\\[dt]binom(?![a-zA-Z])", r"\\binom", s)
@@ -375,7 +376,10 @@ def _normalize(s: str) -> str:
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "%").replace("**", "^")
     s = re.sub(r"[€£¥₹₽₩]|\\(?:euro|pounds|yen|textdollar|texteuro|textsterling|textyen)(?![a-zA-Z])", "", s)  # like `$`
     s = re.sub(r"(?<=[\d}])\s*(?:percent|pct)\b", "%", s)
-    s = re.sub(r"\s*,?\s*\\text\{\s*,?\s*(?:and|or)\s*\}\s*|\s*,?\s+(?:and|or)\s+", ",", s)  # `6, 8, and 10`
+    # Answers joined by words are solutions, separated like groups (`x = 1 \text{ or } x = 2`,
+    # `x=1, y=2 \text{ or } x=2, y=1`, `6, 8, and 10`); see _parse.
+    s = re.sub(r"\s*,?\s*(?:\\text\{\s*,?\s*(?:and|or)\s*\}|\\(?:lor|vee)(?![a-zA-Z]))\s*|\s*,?\s+(?:and|or)\s+", ";", s)
+    s = re.sub(r"\s*;[\s;]*", ";", s)  # `x = 1 \quad\text{and}\quad x = 2` is one separator
     s = _SCALED.sub(_scaled, s)  # `4 \text{ million}` is 4000000 (before units: a scale is not a unit)
     # Trailing units in \text{...} after a value: `5.4 \text{ cents}`, `15\mbox{ cm}^2`.
     prev = None
@@ -685,8 +689,9 @@ def _parse(s: str):
     if len(parts) > 1:
         return ("union", [_parse(p) for p in parts])
     groups = _split_top(s, ";")
-    if 1 < len(groups) <= MAX_ITEMS and any(len(_split_top(g, ",")) > 1 for g in groups):
-        return ("set", [_parse(g) for g in groups], True)  # `m = 3, n = 1; m = 5, n = 1`: two solutions
+    sizes = {len(_split_top(g, ",")) for g in groups}
+    if 1 < len(groups) <= MAX_ITEMS and len(sizes) == 1 and sizes.pop() > 1:
+        return ("set", [_parse(g) for g in groups], "or")  # `m = 3, n = 1; m = 5, n = 1`: two solutions
     parts = [p for p in _split_top(s.replace(";", ","), ",")]
     if len(parts) > 1:
         if len(parts) > MAX_ITEMS:
@@ -695,7 +700,8 @@ def _parse(s: str):
         labels = [n[1] for n in items if n and n[0] == "assign"]
         if len(labels) == len(items) and len(set(labels)) == len(labels):
             return ("record", items)  # `PQ = 3, RS = 7`: one value per name, in this order
-        return ("set", items, True)  # a bare list: set of solutions
+        # A bare list is a set of solutions; joined by `;`, "or", "and" it says so (see _solutions_equal).
+        return ("set", items, "or" if len(groups) > 1 else True)
     rel = _relation(s)
     if rel is not None:
         return rel
@@ -1119,8 +1125,35 @@ def _record_equal(r, o, ctx) -> bool:
     if o[0] == "record":
         mine, theirs = dict((n[1], n) for n in r[1]), dict((n[1], n) for n in o[1])
         return mine.keys() == theirs.keys() and all(_equal(mine[k], theirs[k], ctx) for k in mine)
-    items = o[1] if o[0] == "set" and o[2] is True else o[3] if o[0] == "seq" and o[1] == "(" else None
+    if o[0] == "set" and _indexed(r):  # `x_1 = 2, x_2 = -1`: numbered solutions, not named values
+        return _unordered([n[2] for n in r[1]], o[1], ctx)
+    items = o[1] if o[0] == "set" and o[2] in (True, "or") else o[3] if o[0] == "seq" and o[1] == "(" else None
     return items is not None and len(items) == len(r[1]) and all(_equal(x, y, ctx) for x, y in zip(r[1], items))
+
+
+def _indexed(r) -> bool:
+    """Do a record's labels number one name (`x_1`, `x_2`, `x_{3}`)?"""
+    bases = {re.sub(r"_\{?\d+\}?$", "", n[1]) for n in r[1] if re.search(r"_\{?\d+\}?$", n[1])}
+    return len(bases) == 1 and all(re.search(r"_\{?\d+\}?$", n[1]) for n in r[1])
+
+
+def _solutions_equal(a, g, ctx) -> bool:
+    """A gold that lists every solution (a set `\\{..\\}`, several tuples, or values joined by
+    `;`, "or", "and") is met by the same solutions with one repeated: `2, 1, 1` = `1 \\text{ or } 2`.
+    (A gold that repeats a value counts multiplicities: the response's distinct values never equal
+    it.) A gold list joined by commas alone may be a sequence, and keeps its count."""
+    if not (a and g and g[0] == "set" and a[0] in ("set", "record")):
+        return False
+    items = g[1]
+    tuples = g[2] is True and all(n and n[0] == "seq" and n[1] == "(" for n in items)
+    if not (g[2] in (False, "or") or tuples):
+        return False
+    mine = [n[2] for n in a[1]] if a[0] == "record" and _indexed(a) else a[1] if a[0] == "set" else []
+    once = []
+    for x in mine:
+        if not any(_equal(x, y, ctx) for y in once):
+            once.append(x)
+    return len(items) < len(mine) and _unordered(once, items, ctx)
 
 
 def _clock(parts: list) -> bool:
@@ -1195,7 +1228,7 @@ def _equal(a, b, ctx) -> bool:
         return all(_equal(x, y, ctx) for x, y in zip(a[3], b[3]))
     if {ka, kb} == {"seq", "set"}:  # `(1, 2)` answered as `1, 2`: compared in order
         s, q = (a, b) if ka == "set" else (b, a)
-        return s[2] is True and q[1] == "(" and len(s[1]) == len(q[3]) and all(_equal(x, y, ctx) for x, y in zip(s[1], q[3]))
+        return s[2] in (True, "or") and q[1] == "(" and len(s[1]) == len(q[3]) and all(_equal(x, y, ctx) for x, y in zip(s[1], q[3]))
     if ka == "set" and kb == "set":  # sets and lists of solutions are unordered
         return _unordered(a[1], b[1], ctx)
     if ka == "matrix" and kb == "matrix":
@@ -1229,7 +1262,8 @@ def _is_equiv(answer: str, gold: str, ctx) -> bool:
             return True
         if max(_depth(a), _depth(g)) > MAX_DEPTH:
             return False  # too deep to parse: only an exact (normalised) match counts
-        return _equal(_parse(a), _parse(g), ctx)
+        na, ng = _parse(a), _parse(g)
+        return _equal(na, ng, ctx) or _solutions_equal(na, ng, ctx)
     except RecursionError:
         return False
     except Exception:  # noqa: BLE001 - the reward must never crash training
