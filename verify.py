@@ -1125,8 +1125,6 @@ def _record_equal(r, o, ctx) -> bool:
     if o[0] == "record":
         mine, theirs = dict((n[1], n) for n in r[1]), dict((n[1], n) for n in o[1])
         return mine.keys() == theirs.keys() and all(_equal(mine[k], theirs[k], ctx) for k in mine)
-    if o[0] == "set" and _indexed(r):  # `x_1 = 2, x_2 = -1`: numbered solutions, not named values
-        return _unordered([n[2] for n in r[1]], o[1], ctx)
     items = o[1] if o[0] == "set" and o[2] in (True, "or") else o[3] if o[0] == "seq" and o[1] == "(" else None
     return items is not None and len(items) == len(r[1]) and all(_equal(x, y, ctx) for x, y in zip(r[1], items))
 
@@ -1138,22 +1136,24 @@ def _indexed(r) -> bool:
 
 
 def _solutions_equal(a, g, ctx) -> bool:
-    """A gold that lists every solution (a set `\\{..\\}`, several tuples, or values joined by
-    `;`, "or", "and") is met by the same solutions with one repeated: `2, 1, 1` = `1 \\text{ or } 2`.
-    (A gold that repeats a value counts multiplicities: the response's distinct values never equal
-    it.) A gold list joined by commas alone may be a sequence, and keeps its count."""
+    """A gold that lists every solution (a set `\\{..\\}`, `\\pm`, several tuples, or values joined
+    by `;`, "or", "and") is met by the same solutions with one repeated (`2, 1, 1` = `1 \\text{ or }
+    2`), or numbered (`x_1 = 2, x_2 = 1`). A gold that repeats a value counts multiplicities (the
+    response's distinct values never equal it). A gold list joined by commas alone may be a
+    sequence (`a_1, a_2`): it keeps its count and its numbering."""
     if not (a and g and g[0] == "set" and a[0] in ("set", "record")):
         return False
     items = g[1]
     tuples = g[2] is True and all(n and n[0] == "seq" and n[1] == "(" for n in items)
-    if not (g[2] in (False, "or") or tuples):
+    if not (g[2] in (False, "or", "pm") or tuples):
         return False
-    mine = [n[2] for n in a[1]] if a[0] == "record" and _indexed(a) else a[1] if a[0] == "set" else []
+    numbered = a[0] == "record" and _indexed(a)
+    mine = [n[2] for n in a[1]] if numbered else a[1] if a[0] == "set" else []
     once = []
     for x in mine:
         if not any(_equal(x, y, ctx) for y in once):
             once.append(x)
-    return len(items) < len(mine) and _unordered(once, items, ctx)
+    return (numbered or len(once) < len(mine)) and _unordered(once, items, ctx)
 
 
 def _clock(parts: list) -> bool:
