@@ -560,6 +560,10 @@ def _relation(s: str):
         exprs, ops = exprs[::-1], ["<" if o == ">" else "\\le" for o in ops[::-1]]
     if not all(o in ("<", "\\le") for o in ops) and ops != ["\\ne"]:
         return None
+    if ops != ["\\ne"]:
+        bounded = _abs_intervals(exprs, ops)
+        if bounded is not None:
+            return bounded
     # A one-variable inequality is the interval it describes: `-2 \le x < 7` is `[-2, 7)`.
     names = [i for i, e in enumerate(exprs) if _is_name(e)]
     if ops == ["\\ne"] and len(names) == 1 and _is_constant(exprs[1 - names[0]]):  # `x \ne 2`: all reals but 2
@@ -574,6 +578,58 @@ def _relation(s: str):
         if len(exprs) <= 3:  # the relation rides along, for comparing with `-x > -1`
             return ("seq", left, right, [lo, hi], ("rel", exprs, ops))
     return ("rel", exprs, ops)
+
+
+def _abs_intervals(exprs: list, ops: list):
+    """A bound on the distance of a real variable from a constant is the set it describes:
+    `2 \\le |x| \\le 5` is `[-5, -2] \\cup [2, 5]`, `|x - 1| < 3` is `(-2, 4)`, `|x| > 1` is
+    `(-\\infty, -1) \\cup (1, \\infty)`. `exprs` and `ops` are a chain written with `<` and `\\le`.
+    None when the chain is not of that form or its bounds have no known sign."""
+    ks = [i for i, e in enumerate(exprs) if re.fullmatch(r"\|[^|]+\|", _squash(e))]
+    if len(ks) != 1 or len(exprs) > 3 or not all(_is_constant(e) for i, e in enumerate(exprs) if i != ks[0]):
+        return None
+    k, inner = ks[0], _squash(exprs[ks[0]])[1:-1]
+    m = re.fullmatch(r"(.+?)(?:([+-])(.+))?", inner)
+    if not _is_name(m.group(1)) or m.group(1).startswith("(") or (m.group(3) and not _is_constant(m.group(3))):
+        return None
+    center = ("-" if m.group(2) == "+" else "") + m.group(3) if m.group(3) else "0"  # |x + 1| is the distance from -1
+    lo = exprs[k - 1] if k > 0 else None
+    hi = exprs[k + 1] if k + 1 < len(exprs) else None
+    vlo, vhi = (_value(b) if b is not None else None for b in (lo, hi))
+    if (lo is not None and vlo is None) or (hi is not None and vhi is None):
+        return None
+    open_lo, open_hi = k > 0 and ops[k - 1] == "<", hi is not None and ops[k] == "<"
+    if lo is not None and (vlo < 0 or (vlo == 0 and not open_lo)):
+        lo = None  # no bound at all: a distance is never negative
+    if hi is not None and (vhi < 0 or (vhi == 0 and open_hi) or (lo is not None and vlo >= vhi)):
+        return None  # an empty set (or a point): left as the relation
+    inf = ("leaf", "\\infty")
+    if lo is None and hi is None:
+        return ("seq", "(", ")", [("leaf", "-\\infty"), inf])
+    if lo is None:
+        return ("seq", "(" if open_hi else "[", ")" if open_hi else "]", [_moved(center, "-", hi), _moved(center, "+", hi)])
+    a, b = ("(" if open_lo else "[", ")" if open_lo else "]"), ("(" if open_hi else "[", ")" if open_hi else "]")
+    left = ("seq", b[0] if hi else "(", a[1], [_moved(center, "-", hi) if hi else ("leaf", "-\\infty"), _moved(center, "-", lo)])
+    right = ("seq", a[0], b[1] if hi else ")", [_moved(center, "+", lo), _moved(center, "+", hi) if hi else inf])
+    return ("union", [left, right])
+
+
+def _moved(center: str, sign: str, d: str):
+    """The leaf `center ± d`, exact when both are plain numbers."""
+    c, x = _number(_squash(center)), _number(_squash(d))
+    if c and x and not c[2] and not x[2]:
+        return ("leaf", _tex(c[0] + x[0] if sign == "+" else c[0] - x[0]))
+    return ("leaf", f"{center}{sign}({d})")
+
+
+def _value(s: str):
+    """The float value of a constant expression, when cheap to know, else None."""
+    try:
+        t = _Tex(_squash(s))
+        v = t.expr()[2]
+        return v if t.peek() is None else None
+    except (_Refuse, IndexError, RecursionError, ValueError, OverflowError, TypeError):
+        return None
 
 
 def _expand_pm(s: str):
