@@ -977,30 +977,9 @@ class _Tex:
     def atom(self):
         tok = self.take()
         if tok[0].isdigit() or tok[0] == ".":
-            if self.peek() == "_":
-                raise _Refuse("base-n number")
-            if "." in tok:
-                self.decimal = True
-                return (f"Rational('{tok}')", len(tok), float(tok))
-            return (f"Integer({tok})", len(tok), float(tok) if len(tok) < 300 else math.inf)
+            return _tex_number(self, tok)
         if tok.isalpha() and len(tok) == 1:
-            name = tok
-            if self.peek() == "_":
-                self.take()
-                sub = self.take()
-                if sub == "{":
-                    sub = ""
-                    while self.peek() not in ("}", None):
-                        sub += self.take()
-                    self.take("}")
-                if not re.fullmatch(r"[A-Za-z0-9+\-]{1,12}", sub):
-                    raise _Refuse("subscript")
-                return (f"Symbol('{name}_{sub}')", None, None)
-            if name == "e":
-                return ("E", 1, math.e)
-            if name == "i":
-                return ("I", None, None)
-            return (f"Symbol('{name}')", None, None)
+            return _tex_letter(self, tok)
         if tok in ("(", "[", "{"):
             self.i -= 1
             return self.group({"(": ")", "[": "]", "{": "}"}[tok])
@@ -1011,45 +990,98 @@ class _Tex:
             self.abs -= 1
             return (f"Abs({a[0]})", a[1], None if a[2] is None else abs(a[2]))
         name = tok[1:]
-        if name == "frac":
-            a, b = self.arg(), self.arg()
-            return (f"({a[0]})/({b[0]})", _grow(a[1], b[1]), _num(a[2], b[2], lambda x, y: x / y))
-        if name == "sqrt":
-            if self.peek() == "[":
-                n = self.group("]")
-                a = self.arg()
-                return (f"root({a[0]},{n[0]})", a[1], None)
-            a = self.arg()
-            return (f"sqrt({a[0]})", a[1], None if a[2] is None or a[2] < 0 else math.sqrt(a[2]))
-        if name == "binom":
-            a, b = self.arg(), self.arg()
-            if (a[2] is not None and abs(a[2]) > MAX_EXPONENT) or (b[2] is not None and abs(b[2]) > MAX_EXPONENT):
-                raise _Refuse("binomial")
-            return (f"binomial({a[0]},{b[0]})", None if a[2] is None else int(abs(a[2])) + 1, None)
-        if name in ("pi", "infty"):
-            return ("pi", 1, math.pi) if name == "pi" else ("oo", None, None)
+        if name in _FUNCS:
+            return _tex_function(self, name)
         if name in _GREEK:
             return (f"Symbol('{name}')", None, None)
-        if name in ("lfloor", "lceil"):
-            a = self.expr()
-            self.take("\\rfloor" if name == "lfloor" else "\\rceil")
-            return (f"{'floor' if name == 'lfloor' else 'ceiling'}({a[0]})", a[1], None)
         if name in _WRAPPERS:
             return self.group()
-        if name in _FUNCS:
-            exp = None
-            if self.peek() == "^":  # `\sin^2 x`
-                self.take()
-                exp = self.group() if self.peek() == "{" else self.single()
-            base = None
-            if name == "log" and self.peek() == "_":
-                self.take()
-                base = self.arg()
-            a = self.group(")") if self.peek() == "(" else self.term(arg=True)
-            code = f"{_FUNCS[name]}({a[0]}{',' + base[0] if base else ''})"
-            out = (code, None if a[1] is None else 1, None)
-            return _pow(out, exp) if exp else out
+        if name in _TEX_COMMANDS:
+            return _TEX_COMMANDS[name](self, name)
         raise _Refuse(tok)
+
+
+# The atoms of _Tex: each takes the parser (positioned after the atom's first token) and
+# returns (code, digits, value) like the parser's methods.
+
+def _tex_number(p: _Tex, tok: str):
+    if p.peek() == "_":
+        raise _Refuse("base-n number")
+    if "." in tok:
+        p.decimal = True
+        return (f"Rational('{tok}')", len(tok), float(tok))
+    return (f"Integer({tok})", len(tok), float(tok) if len(tok) < 300 else math.inf)
+
+
+def _tex_letter(p: _Tex, name: str):
+    """A variable, with a subscript (`a_1`, `b_{i+1}`) as part of its name; `e` and `i` are constants."""
+    if p.peek() == "_":
+        p.take()
+        sub = p.take()
+        if sub == "{":
+            sub = ""
+            while p.peek() not in ("}", None):
+                sub += p.take()
+            p.take("}")
+        if not re.fullmatch(r"[A-Za-z0-9+\-]{1,12}", sub):
+            raise _Refuse("subscript")
+        return (f"Symbol('{name}_{sub}')", None, None)
+    if name == "e":
+        return ("E", 1, math.e)
+    if name == "i":
+        return ("I", None, None)
+    return (f"Symbol('{name}')", None, None)
+
+
+def _tex_frac(p: _Tex, _name: str):
+    a, b = p.arg(), p.arg()
+    return (f"({a[0]})/({b[0]})", _grow(a[1], b[1]), _num(a[2], b[2], lambda x, y: x / y))
+
+
+def _tex_sqrt(p: _Tex, _name: str):
+    if p.peek() == "[":
+        n = p.group("]")
+        a = p.arg()
+        return (f"root({a[0]},{n[0]})", a[1], None)
+    a = p.arg()
+    return (f"sqrt({a[0]})", a[1], None if a[2] is None or a[2] < 0 else math.sqrt(a[2]))
+
+
+def _tex_binom(p: _Tex, _name: str):
+    a, b = p.arg(), p.arg()
+    if (a[2] is not None and abs(a[2]) > MAX_EXPONENT) or (b[2] is not None and abs(b[2]) > MAX_EXPONENT):
+        raise _Refuse("binomial")
+    return (f"binomial({a[0]},{b[0]})", None if a[2] is None else int(abs(a[2])) + 1, None)
+
+
+def _tex_constant(_p: _Tex, name: str):
+    return ("pi", 1, math.pi) if name == "pi" else ("oo", None, None)
+
+
+def _tex_floor(p: _Tex, name: str):
+    a = p.expr()
+    p.take("\\rfloor" if name == "lfloor" else "\\rceil")
+    return (f"{'floor' if name == 'lfloor' else 'ceiling'}({a[0]})", a[1], None)
+
+
+def _tex_function(p: _Tex, name: str):
+    """`\\sin x`, `\\sin^2 x`, `\\log_2 8`, `\\ln(x)`: the argument is a group or the term that follows."""
+    exp = None
+    if p.peek() == "^":  # `\sin^2 x`
+        p.take()
+        exp = p.group() if p.peek() == "{" else p.single()
+    base = None
+    if name == "log" and p.peek() == "_":
+        p.take()
+        base = p.arg()
+    a = p.group(")") if p.peek() == "(" else p.term(arg=True)
+    code = f"{_FUNCS[name]}({a[0]}{',' + base[0] if base else ''})"
+    out = (code, None if a[1] is None else 1, None)
+    return _pow(out, exp) if exp else out
+
+
+_TEX_COMMANDS = {"frac": _tex_frac, "sqrt": _tex_sqrt, "binom": _tex_binom, "pi": _tex_constant, "infty": _tex_constant,
+                 "lfloor": _tex_floor, "lceil": _tex_floor}
 
 
 def _grow(a, b):
