@@ -365,7 +365,7 @@ def _normalize(s: str) -> str:
         s = s[: m.start()] + arg[0] + s[arg[1] :]
     # Thousands separators that cannot be list commas: `10,\!080`, `14{,}916`, `1\,000`.
     s = re.sub(r"(\d)\s*(?:\{\s*,\s*\}|,\s*\\!\s*|\\,)\s*(?=\d{3}(?!\d))", r"\1", s)
-    s = re.sub(r"\\(?:left\.|right\.|displaystyle|textstyle|!)", "", s)
+    s = re.sub(r"\\(?:left\.|right\.|displaystyle|textstyle|!|(?:no)?limits(?![a-zA-Z]))", "", s)
     s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])", "", s)
     s = re.sub(r"\s*\\q?quad\s*(?=[a-zA-Z](?:_\{?\w+\}?)?\s*=)", ";", s)  # `x = 2 \quad x = 1`: two answers
     s = re.sub(r"\\[,:; ]|\\q?quad(?![a-zA-Z])|~", " ", s)
@@ -866,7 +866,7 @@ _FUNCS = {"sin": "sin", "cos": "cos", "tan": "tan", "cot": "cot", "sec": "sec", 
 _GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi "
              "rho sigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split())
 _WRAPPERS = {"mathrm", "mathbf", "mathit", "text", "boldsymbol", "operatorname", "mbox", "textbf"}
-_ATOM_CMDS = {"frac", "sqrt", "binom", "pi", "infty", "lfloor", "lceil"} | set(_FUNCS) | _GREEK | _WRAPPERS
+_ATOM_CMDS = {"frac", "sqrt", "binom", "pi", "infty", "lfloor", "lceil", "sum", "prod"} | set(_FUNCS) | _GREEK | _WRAPPERS
 MAX_EXPONENT = 10_000  # |numeric exponent| allowed
 MAX_DIGITS = 100_000  # rough bound on the digits of any constant sub-expression
 
@@ -884,6 +884,7 @@ class _Tex:
 
     def __init__(self, s: str):
         self.t, self.i, self.abs, self.decimal = _TOKEN.findall(s), 0, 0, False
+        self.bound = []  # the indices of the sums and products being read (`i` is then no constant)
 
     def peek(self, k: int = 0):
         return self.t[self.i + k] if self.i + k < len(self.t) else None
@@ -1026,9 +1027,9 @@ def _tex_letter(p: _Tex, name: str):
         if not re.fullmatch(r"[A-Za-z0-9+\-]{1,12}", sub):
             raise _Refuse("subscript")
         return (f"Symbol('{name}_{sub}')", None, None)
-    if name == "e":
+    if name == "e" and name not in p.bound:
         return ("E", 1, math.e)
-    if name == "i":
+    if name == "i" and name not in p.bound:
         return ("I", None, None)
     return (f"Symbol('{name}')", None, None)
 
@@ -1080,8 +1081,28 @@ def _tex_function(p: _Tex, name: str):
     return _pow(out, exp) if exp else out
 
 
+def _tex_bigop(p: _Tex, name: str):
+    """`\\prod_{i=1}^{n} a_i b_{i+1}`: sympy's unevaluated Sum / Product over the index. Its body
+    is the term that follows; `a_i` is a name, not a function of `i`, so the worker compares these
+    only as written, up to the order of terms and factors (see _worker_compare)."""
+    p.take("_")
+    p.take("{")
+    var = p.take()
+    if not (len(var) == 1 and var.isalpha()):
+        raise _Refuse("index")
+    p.take("=")
+    lo = p.expr()
+    p.take("}")
+    p.take("^")
+    hi = p.group() if p.peek() == "{" else p.single()
+    p.bound.append(var)
+    body = p.term(arg=True)
+    p.bound.pop()
+    return (f"{'Sum' if name == 'sum' else 'Product'}({body[0]},(Symbol('{var}'),{lo[0]},{hi[0]}))", None, None)
+
+
 _TEX_COMMANDS = {"frac": _tex_frac, "sqrt": _tex_sqrt, "binom": _tex_binom, "pi": _tex_constant, "infty": _tex_constant,
-                 "lfloor": _tex_floor, "lceil": _tex_floor}
+                 "lfloor": _tex_floor, "lceil": _tex_floor, "sum": _tex_bigop, "prod": _tex_bigop}
 
 
 def _grow(a, b):
@@ -1448,6 +1469,10 @@ def _worker_compare(mode: str, ca: str, cb: str, approx: bool, ns: dict) -> bool
     import sympy
 
     a, b = eval(ca, ns), eval(cb, ns)  # noqa: S307 - code comes from _Tex, never from the input
+    if any(x.has(sympy.Sum, sympy.Product) for x in (a, b)):
+        # Over names like `a_i` a sum or product is known only as written: sympy's canonical
+        # order of terms and factors, never evaluated (`\sum_{i=1}^n a_i` would "be" `n a_i`).
+        return mode == "expr" and (a == b or a - b == 0)
     if any(x.has(sympy.oo, -sympy.oo, sympy.zoo, sympy.nan) for x in (a, b)):
         return False  # undefined or infinite (`\ln 0 + 1`): equal to nothing (`\infty` matches as a string)
     if mode == "expr" and (a == b or a - b == 0):
@@ -1525,7 +1550,7 @@ def _worker_main() -> None:
     import sympy
 
     names = ("Integer Rational Symbol sqrt root pi E I oo Abs floor ceiling factorial binomial "
-             "sin cos tan cot sec csc asin acos atan sinh cosh tanh log exp")
+             "sin cos tan cot sec csc asin acos atan sinh cosh tanh log exp Sum Product")
     ns = {"__builtins__": {}} | {n: getattr(sympy, n) for n in names.split()}
 
     class Alarm(BaseException):  # BaseException: sympy's `except Exception` cannot swallow it
