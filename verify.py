@@ -18,9 +18,10 @@ How a comparison runs:
 
 1. `extract_answer` takes the last `\\boxed{...}` / `\\fbox{...}` (boxes that end the
    response side by side, `\\boxed{1}, \\boxed{2}`, are read as one list; `verify` also lets
-   a list gold be given box by box, see there); without a box,
-   and unless `strict=True`, "the final answer is ...", "answer: ...", "#### ...",
-   then the last `$...$` span or the last number, whichever comes later.
+   a list gold be given box by box, see there), unless a final-answer statement follows it;
+   without a box, and unless `strict=True`, "the final answer is ...", "answer: ...", "#### ..."
+   (and their French, Spanish, German, Russian, Chinese ... forms), then the last `$...$` span
+   or the last number, whichever comes later.
 2. `is_equiv` normalises both strings (`\\left`, spacing, `\\dfrac`, `^\\circ`, `\\%`,
    `\\$`, units, thousands separators, scale words ...), splits structure in plain Python
    (lists, sets, tuples, intervals, unions, matrices and their sums and products, equations,
@@ -235,10 +236,7 @@ def _stated_after_box(s: str):
     is \\boxed{48} ... Final Answer: The final answer is $5,280$."), or None. It must state a
     math span or a short clause: prose that only mentions a number ("this final answer is
     consistent with the first part, 48") restates a step and leaves the box the answer."""
-    last = None
-    for last in _BOX.finditer(s):
-        pass
-    if last is None or not _FINAL_CUE.search(s, last.end()):
+    if not _FINAL_CUE.search(s, max(s.rfind("\\boxed"), s.rfind("\\fbox"))):
         return None  # the common case, found without parsing a box
     boxes = _boxes(s)
     if boxes[-1][1] is None:
@@ -588,34 +586,31 @@ def _abs_intervals(exprs: list, ops: list):
     ks = [i for i, e in enumerate(exprs) if re.fullmatch(r"\|[^|]+\|", _squash(e))]
     if len(ks) != 1 or len(exprs) > 3 or not all(_is_constant(e) for i, e in enumerate(exprs) if i != ks[0]):
         return None
-    k, inner = ks[0], _squash(exprs[ks[0]])[1:-1]
-    m = re.fullmatch(r"(.+?)(?:([+-])(.+))?", inner)
+    k = ks[0]
+    m = re.fullmatch(r"(.+?)(?:([+-])(.+))?", _squash(exprs[k])[1:-1])
     if not _is_name(m.group(1)) or m.group(1).startswith("(") or (m.group(3) and not _is_constant(m.group(3))):
         return None
     center = ("-" if m.group(2) == "+" else "") + m.group(3) if m.group(3) else "0"  # |x + 1| is the distance from -1
-    lo = exprs[k - 1] if k > 0 else None
-    hi = exprs[k + 1] if k + 1 < len(exprs) else None
-    vlo, vhi = (_value(b) if b is not None else None for b in (lo, hi))
-    if (lo is not None and vlo is None) or (hi is not None and vhi is None):
+    lo = (exprs[k - 1], ops[k - 1] == "<") if k > 0 else None  # (bound, open)
+    hi = (exprs[k + 1], ops[k] == "<") if k + 1 < len(exprs) else ("\\infty", True)
+    vlo, vhi = _value(lo[0]) if lo else 0.0, math.inf if hi[0] == "\\infty" else _value(hi[0])
+    if vlo is None or vhi is None:
         return None
-    open_lo, open_hi = k > 0 and ops[k - 1] == "<", hi is not None and ops[k] == "<"
-    if lo is not None and (vlo < 0 or (vlo == 0 and not open_lo)):
-        lo = None  # no bound at all: a distance is never negative
-    if hi is not None and (vhi < 0 or (vhi == 0 and open_hi) or (lo is not None and vlo >= vhi)):
-        return None  # an empty set (or a point): left as the relation
-    inf = ("leaf", "\\infty")
-    if lo is None and hi is None:
-        return ("seq", "(", ")", [("leaf", "-\\infty"), inf])
+    if lo and (vlo < 0 or (vlo == 0 and not lo[1])):
+        lo = None  # a distance is never negative: no lower bound
+    if vhi < 0 or (vhi == 0 and hi[1]) or (lo and vlo >= vhi):
+        return None  # an empty set or a point: left as the relation
+    o = {True: "()", False: "[]"}
     if lo is None:
-        return ("seq", "(" if open_hi else "[", ")" if open_hi else "]", [_moved(center, "-", hi), _moved(center, "+", hi)])
-    a, b = ("(" if open_lo else "[", ")" if open_lo else "]"), ("(" if open_hi else "[", ")" if open_hi else "]")
-    left = ("seq", b[0] if hi else "(", a[1], [_moved(center, "-", hi) if hi else ("leaf", "-\\infty"), _moved(center, "-", lo)])
-    right = ("seq", a[0], b[1] if hi else ")", [_moved(center, "+", lo), _moved(center, "+", hi) if hi else inf])
-    return ("union", [left, right])
+        return ("seq", o[hi[1]][0], o[hi[1]][1], [_moved(center, "-", hi[0]), _moved(center, "+", hi[0])])
+    return ("union", [("seq", o[hi[1]][0], o[lo[1]][1], [_moved(center, "-", hi[0]), _moved(center, "-", lo[0])]),
+                      ("seq", o[lo[1]][0], o[hi[1]][1], [_moved(center, "+", lo[0]), _moved(center, "+", hi[0])])])
 
 
 def _moved(center: str, sign: str, d: str):
-    """The leaf `center ± d`, exact when both are plain numbers."""
+    """The leaf `center ± d`, exact when both are plain numbers (`\\infty` stays infinite)."""
+    if d == "\\infty":
+        return ("leaf", "\\infty" if sign == "+" else "-\\infty")
     c, x = _number(_squash(center)), _number(_squash(d))
     if c and x and not c[2] and not x[2]:
         return ("leaf", _tex(c[0] + x[0] if sign == "+" else c[0] - x[0]))
