@@ -167,7 +167,9 @@ TOKENS = [r"\frac", r"\sqrt", r"\boxed{", r"\fbox{", "{", "}", "(", ")", "[", "]
           "x", "y", "e", "i", r"\pi", r"\infty", r"\pm", r"\cdot", r"\times", "+", "-", "/", "=", "<", r"\le", ",", ".", "%",
           r"\%", "$", r"\left(", r"\right)", r"\begin{pmatrix}", r"\end{pmatrix}", "\\\\", "&", r"\text{", "cm", " ",
           r"\sin", r"\log_", r"\ln", "!", "|", r"\cup", r"\in", "The answer is ", r"\binom", r"\lfloor", r"\rfloor", "\n",
-          ":", ";", "PQ", r"\angle ", " million", "five", "<=", "AB2C"]
+          ":", ";", "PQ", r"\angle ", " million", "five", "<=", "AB2C",
+          r"\sum_{i=1}^{n}", r"\prod_", "a_i", "|x|", r"\lor", r"\quad", " != ", ">=", "€", " or ", "\\\\sqrt",
+          "Final Answer: ", "La réponse est ", "答案是", "Ответ: "]
 def fuzz(n):  # n examples, no per-example deadline (the bound is asserted in _bounded)
     return settings(max_examples=n, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
@@ -219,7 +221,8 @@ def _grow(children):
         two.map(lambda t: f"{t[0]}+{t[1]}"), two.map(lambda t: f"{t[0]}-{t[1]}"), two.map(lambda t: f"({t[0]})({t[1]})"),
         two.map(lambda t: rf"\frac{{{t[0]}}}{{{t[1]}}}"), two.map(lambda t: f"({t[0]})^{{{t[1]}}}"),
         children.map(lambda c: rf"\sqrt{{{c}}}"), children.map(lambda c: rf"\sin({c})"), children.map(lambda c: rf"\ln({c})"),
-        children.map(lambda c: f"|{c}|"), children.map(lambda c: f"-({c})"))
+        children.map(lambda c: f"|{c}|"), children.map(lambda c: f"-({c})"),
+        children.map(lambda c: rf"\sum_{{i=1}}^{{n}} ({c}) a_i"))
 
 
 EXPRESSIONS = st.recursive(st.sampled_from(["x", "y", "0", "1", "2", "3", "10", "99", r"\pi", "e", "i", "0.5", r"\frac{1}{3}"]),
