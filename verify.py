@@ -210,8 +210,8 @@ def _math_span(seg: str):
 def _clean_cue(seg: str, prose: bool = True):
     """Turn the text after an answer cue into an answer: the first math span, else the
     clause up to the sentence end, reduced to what follows "is" (in any language) and cut
-    where a comma opens a word (`42, denn 6 · 7 = 42`), else (if `prose`) the last number
-    of a clause of prose."""
+    where a comma, a semicolon or a parenthesis opens a word (`42, denn 6 · 7 = 42`, `12
+    (vérification : ...)`), else (if `prose`) the last number of a clause of prose."""
     seg = _CONNECTIVE.sub("", seg.strip(), count=1)
     span = _math_span(seg)
     if span is not None:
@@ -222,7 +222,7 @@ def _clean_cue(seg: str, prose: bool = True):
     span = _math_span(seg)
     if span is not None:
         return span
-    head = re.split(r",\s*(?!(?:and|or|et|ou|und|oder|или)\b)(?=[^\W\d_]{2,})", seg)[0].strip()
+    head = re.split(r"(?:[,;]\s*|\s\()(?!(?:and|or|et|ou|und|oder|или)\b)(?=[^\W\d_]{2,})", seg)[0].strip()
     if head and not _prose(head):
         return head
     if _prose(seg):
