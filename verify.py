@@ -76,10 +76,11 @@ _FINAL = (r"final answer|réponse finale|respuesta final|resposta final|risposta
           r"окончательный ответ|最终答案|最終答案|最終的な答え|최종 답")
 _ANSWER = r"answer|réponse|respuesta|resposta|risposta|antwort|antwoord|ответ|答案|答え|解答|答|정답|답"
 _COPULA = r"(?:is|est|es|é|è|ist|lautet|равен|равна|равно|будет)\b|是(?!否)|为|為|は|은|는|—|[:：=]"
+# A final-answer noun may also end its line, as a heading does ("**Final Answer**" then the answer).
 # A final-answer cue after the last box states the answer that box was not (see _stated_after_box).
-_FINAL_CUE = re.compile(rf"(?:{_FINAL})[*\s]*(?:{_COPULA})[*\s]*[:：]?", re.I)
+_FINAL_CUE = re.compile(rf"(?:{_FINAL})(?:[*\s]*(?:{_COPULA})|[*# \t]*\n)[*\s]*[:：]?", re.I)
 _CUE = re.compile(rf"(?:(?:{_FINAL}|{_ANSWER})(?:\s+(?:correct[ae]?|corret[ao]|corrett[ao]))?[*\s]*(?:{_COPULA})"
-                  rf"|\b(?:ist|lautet) die (?:end)?antwort\b)[*\s]*[:：]?|####", re.I)
+                  rf"|(?:{_FINAL})[*# \t]*\n|\b(?:ist|lautet) die (?:end)?antwort\b)[*\s]*[:：]?|####", re.I)
 # What may stand between a cue and its answer ("the answer is therefore 5", "la réponse est donc 5").
 _CONNECTIVE = re.compile(r"(?:(?:therefore|thus|hence|so|then|donc|alors|ainsi|entonces|pues|portanto|então|logo|quindi|"
                          r"dunque|also|daher|somit|итак|значит)\b[,\s]*)+", re.I)
@@ -1078,7 +1079,7 @@ def _tex_function(p: _Tex, name: str):
 
 def _tex_bigop(p: _Tex, name: str):
     """`\\prod_{i=1}^{n} a_i b_{i+1}`: sympy's unevaluated Sum / Product over the index. Its body
-    is the term that follows; `a_i` is a name, not a function of `i`, so the worker compares these
+    is the product that follows; `a_i` is a name, not a function of `i`, so the worker compares these
     only as written, up to the order of terms and factors (see _worker_compare)."""
     p.take("_")
     p.take("{")
@@ -1091,7 +1092,7 @@ def _tex_bigop(p: _Tex, name: str):
     p.take("^")
     hi = p.group() if p.peek() == "{" else p.single()
     p.bound.append(var)
-    body = p.term(arg=True)
+    body = p.term()  # `\\prod a_i \\cdot b_i` multiplies inside; `+` ends the body
     p.bound.pop()
     return (f"{'Sum' if name == 'sum' else 'Product'}({body[0]},(Symbol('{var}'),{lo[0]},{hi[0]}))", None, None)
 
