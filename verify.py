@@ -71,16 +71,17 @@ _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
 # What may separate boxes that are read together: spaces, commas, "and"/"or", math delimiters.
 _BOX_GAP = re.compile(r"(?:\s|[,;&]|\$|\\[\[\]()]|\\q?quad|\\text\{\s*(?:and|or)?\s*\}|and|or)*")
 # Answer cues in the languages models answer in: an answer noun, then a copula or a colon ("the
-# answer is", "Answer:", "la réponse est", "die Antwort lautet", "Ответ:", "答案是", "答えは").
+# answer is", "Answer:", "la réponse est", "die Antwort lautet", "Ответ:", "答案是", "答えは"). A
+# final-answer noun may also end its line, as a heading does ("**Final Answer**", then the answer);
+# after the last box, only a final-answer cue states the answer that box was not (_stated_after_box).
 _FINAL = (r"final answer|réponse finale|respuesta final|resposta final|risposta finale|endantwort|endgültige antwort|"
           r"окончательный ответ|最终答案|最終答案|最終的な答え|최종 답")
-_ANSWER = r"answer|réponse|respuesta|resposta|risposta|antwort|antwoord|ответ|答案|答え|解答|答|정답|답"
+_ANSWER = r"(?:answer|réponse|respuesta|resposta|risposta)s?|antwort|antwoord|ответ|答案|答え|解答|答|정답|답"
 _COPULA = r"(?:is|est|es|é|è|ist|lautet|равен|равна|равно|будет)\b|是(?!否)|为|為|は|은|는|—|[:：=]"
-# A final-answer noun may also end its line, as a heading does ("**Final Answer**" then the answer).
-# A final-answer cue after the last box states the answer that box was not (see _stated_after_box).
-_FINAL_CUE = re.compile(rf"(?:{_FINAL})(?:[*\s]*(?:{_COPULA})|[*# \t]*\n)[*\s]*[:：]?", re.I)
-_CUE = re.compile(rf"(?:(?:{_FINAL}|{_ANSWER})(?:\s+(?:correct[ae]?|corret[ao]|corrett[ao]))?[*\s]*(?:{_COPULA})"
-                  rf"|(?:{_FINAL})[*# \t]*\n|\b(?:ist|lautet) die (?:end)?antwort\b)[*\s]*[:：]?|####", re.I)
+_FINAL_NOUN = rf"(?:{_FINAL})(?:[*\s]*(?:{_COPULA})|[*# \t]*\n)"
+_FINAL_CUE = re.compile(_FINAL_NOUN + r"[*\s]*[:：]?", re.I)
+_CUE = re.compile(rf"(?:{_FINAL_NOUN}|(?:{_ANSWER})(?:\s+(?:correct[ae]?|corret[ao]|corrett[ao]))?[*\s]*(?:{_COPULA})"
+                  rf"|\b(?:ist|lautet) die (?:end)?antwort\b)[*\s]*[:：]?|####", re.I)
 # What may stand between a cue and its answer ("the answer is therefore 5", "la réponse est donc 5").
 _CONNECTIVE = re.compile(r"(?:(?:therefore|thus|hence|so|then|donc|alors|ainsi|entonces|pues|portanto|então|logo|quindi|"
                          r"dunque|also|daher|somit|итак|значит)\b[,\s]*)+", re.I)
