@@ -18,9 +18,10 @@ How a comparison runs:
 
 1. `extract_answer` takes the last `\\boxed{...}` / `\\fbox{...}` (boxes that end the
    response side by side, `\\boxed{1}, \\boxed{2}`, are read as one list; `verify` also lets
-   a list gold be given box by box, see there); without a box,
-   and unless `strict=True`, "the final answer is ...", "answer: ...", "#### ...",
-   then the last `$...$` span or the last number, whichever comes later.
+   a list gold be given box by box, see there), unless a final-answer statement follows it;
+   without a box, and unless `strict=True`, "the final answer is ...", "answer: ...", "#### ..."
+   (and their French, Spanish, German, Russian, Chinese ... forms), then the last `$...$` span
+   or the last number, whichever comes later.
 2. `is_equiv` normalises both strings (`\\left`, spacing, `\\dfrac`, `^\\circ`, `\\%`,
    `\\$`, units, thousands separators, scale words ...), splits structure in plain Python
    (lists, sets, tuples, intervals, unions, matrices and their sums and products, equations,
@@ -69,12 +70,41 @@ WORKER_MEMORY = 2 << 30  # address-space cap (bytes) of the sympy worker
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
 # What may separate boxes that are read together: spaces, commas, "and"/"or", math delimiters.
 _BOX_GAP = re.compile(r"(?:\s|[,;&]|\$|\\[\[\]()]|\\q?quad|\\text\{\s*(?:and|or)?\s*\}|and|or)*")
-_CUE = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*:?|####", re.I)
+# Answer cues in the languages models answer in: an answer noun, then a copula or a colon ("the
+# answer is", "Answer:", "la réponse est", "die Antwort lautet", "Ответ:", "答案是", "答えは"). A
+# final-answer noun may also end its line, as a heading does ("**Final Answer**", then the answer);
+# after the last box, only a final-answer cue states the answer that box was not (_stated_after_box).
+_FINAL = (r"final answer|réponse finale|respuesta final|resposta final|risposta finale|endantwort|endgültige antwort|"
+          r"окончательный ответ|最终答案|最終答案|最終的な答え|최종 답")
+_ANSWER = r"(?:answer|réponse|respuesta|resposta|risposta)s?|antwort|antwoord|ответ|答案|答え|解答|答|정답|답"
+_COPULA = r"(?:is|est|es|é|è|ist|lautet|равен|равна|равно|будет)\b|是(?!否)|为|為|は|은|는|—|[:：=]"
+_FINAL_NOUN = rf"(?:{_FINAL})(?:[*\s]*(?:{_COPULA})|[*# \t]*\n)"
+_FINAL_CUE = re.compile(_FINAL_NOUN + r"[*\s]*[:：]?", re.I)
+_CUE = re.compile(rf"(?:{_FINAL_NOUN}|(?:{_ANSWER})(?:\s+(?:correct[ae]?|corret[ao]|corrett[ao]))?[*\s]*(?:{_COPULA})"
+                  rf"|\b(?:ist|lautet) die (?:end)?antwort\b)[*\s]*[:：]?|####", re.I)
+# What may stand between a cue and its answer ("the answer is therefore 5", "la réponse est donc 5").
+_CONNECTIVE = re.compile(r"(?:(?:therefore|thus|hence|so|then|donc|alors|ainsi|entonces|pues|portanto|então|logo|quindi|"
+                         r"dunque|also|daher|somit|итак|значит)\b[,\s]*)+", re.I)
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]")
 # Bounded spans: an unbounded lazy `.+?` rescans the rest of the text from every `\(`.
 _SPAN = re.compile(r"\$\$(.{1,1000}?)\$\$|\$([^$]{1,1000}?)\$|\\\((.{1,1000}?)\\\)|\\\[(.{1,1000}?)\\\]", re.S)
 # A number glued to a letter on its left is part of a word or a name (`AB2C`, `x2y`, `H2O`,
 # `a_2`), never a final answer; letters only on its right (`5cm`, `3rd`) are a unit or an ordinal.
 _NUMBER = re.compile(r"(?<![A-Za-z_\d])(?:-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+)")
+# A relation between a variable and the last number is the answer, not the number alone:
+# `y <= 7`, `t >= -3`, `n != 4`, `-2 <= x < 7` (a chain from a number through the variable).
+_RELATION_BEFORE = re.compile(r"(?:(?<![\w.])-?\d+(?:\.\d+)?\s*(?:<=|<|≤)\s*)?(?<![A-Za-z\\])[a-zA-Z](?:_\{?\w+\}?)?"
+                              r"\s*(?:<=|>=|\s!=|<|>|≤|≥|≠)\s*$")
+
+
+def _undouble(s: str) -> str:
+    """Text JSON-encoded twice has every backslash doubled (`\\\\sqrt{2}`, `\\\\left[`). Singly
+    escaped LaTeX writes a command with one backslash (three after a row break `\\\\`), so when
+    every command in `s` has an even run of backslashes, halve every run."""
+    runs = [m.end() - m.start() for m in re.finditer(r"\\+(?=[a-zA-Z])", s)]
+    if runs and all(r % 2 == 0 for r in runs):
+        return s.replace("\\\\", "\\")
+    return s
 
 
 def _box_arg(s: str, i: int):
@@ -142,60 +172,130 @@ def _box_group(s: str):
     return parts
 
 
-def _after_last_equals(x: str) -> str:
-    """`\\frac12 \\cdot 10 = 5` -> `5`; keeps `x = 5` (an assignment) and `... = 0` (an equation)."""
-    bits = _split_top(x, "=")
+def _after_last_equals(x: str, chain: bool = False) -> str:
+    """`\\frac12 \\cdot 10 = 5` -> `5`; keeps `x = 5` (an assignment), `... = 0` (an equation)
+    and inequalities (`y <= 7` holds an `=` that is not an equals sign). With `chain`, only a
+    chain of equalities ending in a constant gives its last member (`3y = 2x = \\frac74`):
+    after an answer cue, `x + y = 5` is an equation."""
+    bits = []
+    for bit in _split_top(x, "="):  # the `=` of `<=`, `>=`, ` !=` belongs to the relation (`5!=120` is a factorial)
+        if bits and re.search(r"[<>]$|\s!$", bits[-1]):
+            bits[-1] += "=" + bit
+        else:
+            bits.append(bit)
     if len(bits) > 1 and not _is_name(bits[0].strip()) and bits[-1].strip() not in ("0", ""):
-        return bits[-1]
+        if not chain or (len(bits) > 2 and _is_constant(bits[-1])):
+            return bits[-1]
     return x
 
 
-def _clean_cue(seg: str):
+def _prose(text: str) -> bool:
+    """Words, not math: two words outside LaTeX commands (three letters or more in any alphabet,
+    not all capitals: `RPS` names a figure), or any CJK character."""
+    words = re.findall(r"(?=[^\W\d_]*[^\W\d_A-Z])[^\W\d_]{3,}", re.sub(r"\\[a-zA-Z]+(\{[^{}]*\})?", " ", text))
+    return len([w for w in words if w.lower() not in ("and", "or")]) >= 2 or bool(_CJK.search(text))
+
+
+def _currency_prose(text: str) -> bool:
+    """Is a `$...$` "span" words that open or close with an amount (`$75 and she pays $`,
+    `15 $, so five books cost 75 $`): currency signs around prose, not math?"""
+    return bool(re.match(r"\s*\d|.*\d\s*$", text, re.S)) and _prose(text)
+
+
+def _math_span(seg: str):
+    """The content of the math span that opens `seg`, or None."""
+    m = _SPAN.match(seg)
+    text = next(g for g in m.groups() if g is not None) if m else None
+    return None if text is None or _currency_prose(text) else text
+
+
+def _clean_cue(seg: str, prose: bool = True):
     """Turn the text after an answer cue into an answer: the first math span, else the
-    clause up to the sentence end, reduced to what follows "is", else its last number."""
-    seg = seg.strip()
-    m = _SPAN.match(seg)
-    if m:
-        return next(g for g in m.groups() if g is not None)
-    seg = re.split(r"\.(?:\s|$)|\n| I hope", seg)[0]
-    seg = re.split(r"\bis\b", seg)[-1].strip()
-    m = _SPAN.match(seg)
-    if m:
-        return next(g for g in m.groups() if g is not None)
-    words = re.findall(r"[A-Za-z]{3,}", re.sub(r"\\[a-zA-Z]+(\{[^{}]*\})?", " ", seg))
-    if len([w for w in words if w.lower() not in ("and", "or")]) >= 2:  # prose
+    clause up to the sentence end, reduced to what follows "is" (in any language) and cut
+    where a comma, a semicolon or a parenthesis opens a word (`42, denn 6 · 7 = 42`, `12
+    (vérification : ...)`), else (if `prose`) the last number of a clause of prose."""
+    seg = _CONNECTIVE.sub("", seg.strip(), count=1)
+    span = _math_span(seg)
+    if span is not None:
+        return span
+    seg = re.split(r"\.(?:\s|$)|。|\n| I hope", seg)[0]
+    seg = re.split(r"\b(?:is|est|es|é|è|ist|lautet)\b|是|为|為|は", seg)[-1].strip()
+    seg = _CONNECTIVE.sub("", seg, count=1)
+    span = _math_span(seg)
+    if span is not None:
+        return span
+    head = re.split(r"(?:[,;]\s*|\s\()(?!(?:and|or|et|ou|und|oder|или)\b)(?=[^\W\d_]{2,})", seg)[0].strip()
+    if head and not _prose(head):
+        return head
+    if _prose(seg):
         nums = _NUMBER.findall(seg)
-        return nums[-1] if nums else None
+        return nums[-1] if nums and prose else None
     return seg or None
+
+
+def _stated_after_box(s: str):
+    """The answer of an explicit final-answer statement after the last box ("... the first part
+    is \\boxed{48} ... Final Answer: The final answer is $5,280$."), or None. It must state a
+    math span or a short clause: prose that only mentions a number ("this final answer is
+    consistent with the first part, 48") restates a step and leaves the box the answer."""
+    if not _FINAL_CUE.search(s, max(s.rfind("\\boxed"), s.rfind("\\fbox"))):
+        return None  # the common case, found without parsing a box
+    boxes = _boxes(s)
+    if boxes[-1][1] is None:
+        return None  # an unclosed last box
+    tail = s[boxes[-1][1] :][-MAX_TAIL:]
+    cues = list(_FINAL_CUE.finditer(tail))
+    if not cues:
+        return None
+    ans = _clean_cue(tail[cues[-1].end() : cues[-1].end() + 400], prose=False)
+    return _after_last_equals(ans, chain=True).strip() or None if ans and ans.strip() else None
 
 
 def extract_answer(response: str, strict: bool = False) -> str | None:
     """The final answer of a model response, or None.
 
-    The last `\\boxed{...}`/`\\fbox{...}` wins; an empty or unclosed last box is no answer
-    (a response that boxes is judged by its box alone). With `strict=True` only boxes count.
-    Otherwise: the last answer cue ("the final answer is", "answer:", "####"), then the
+    The last `\\boxed{...}`/`\\fbox{...}` wins, unless an explicit final-answer statement
+    follows it ("Final Answer: The final answer is $5,280$."); an empty or unclosed last box is
+    no answer (a response that boxes is judged by its box alone). With `strict=True` only boxes
+    count. Otherwise: the last answer cue ("the final answer is", "answer:", "####"), then the
     last `$...$` / `\\(...\\)` / `\\[...\\]` span or the last number, whichever is later.
     """
+    return _extract(response, strict)[0]
+
+
+def _extract(response: str, strict: bool):
+    """(answer, searched text, whether the answer is the response's boxes)."""
     if not isinstance(response, str):
-        return None
-    s = response[-MAX_RESPONSE:]
+        return None, "", False
+    s = _undouble(response[-MAX_RESPONSE:])
     if _BOX.search(s):
+        stated = None if strict else _stated_after_box(s)
+        if stated is not None:
+            return stated, s, False
         box = _boxed(s)
-        return box.strip() or None if box is not None else None
+        return (box.strip() or None if box is not None else None), s, True
     if strict:
-        return None
-    s = s[-MAX_TAIL:]
+        return None, s, False
+    return _unboxed(s[-MAX_TAIL:]), s, False
+
+
+def _unboxed(s: str):
+    """The answer of a response without a box: its last answer cue, else its last math span or
+    its last number, whichever comes later."""
     cues = list(_CUE.finditer(s))
     if cues:
         ans = _clean_cue(s[cues[-1].end() : cues[-1].end() + 400])
-        if ans:
-            return ans.strip()
-    spans, nums = list(_SPAN.finditer(s)), list(_NUMBER.finditer(s))
+        if ans and ans.strip():
+            return _after_last_equals(ans, chain=True).strip()
+    spans = [m for m in _SPAN.finditer(s) if not _currency_prose(next(g for g in m.groups() if g is not None))]
+    nums = list(_NUMBER.finditer(s))
     if spans and (not nums or spans[-1].end() >= nums[-1].end()):
         text = next(g for g in spans[-1].groups() if g is not None).strip().rstrip(".,")
         return _after_last_equals(text).strip() or None
-    return nums[-1].group(0) if nums else None
+    if not nums:
+        return None
+    rel = _RELATION_BEFORE.search(s, max(0, nums[-1].start() - 40), nums[-1].start())
+    return s[rel.start() if rel else nums[-1].start() : nums[-1].end()]
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,7 +307,7 @@ _UNICODE = {"−": "-", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ", "√"
             "°": "", "\u00a0": " "}
 _UNITS = (r"(?:square |sq\.? |cubic )?(?:units?|cm|mm|km|meters?|metres?|inch(?:es)?|in|feet|foot|ft|"
           r"yards?|yd|miles?|mi|kg|grams?|pounds?|lbs?|seconds?|sec|minutes?|min|hours?|hrs?|days?|"
-          r"weeks?|months?|years?|degrees?|deg|radians?|dollars?|cents?|mph|people|students|ways)")
+          r"weeks?|months?|years?|degrees?|deg|radians?|dollars?|cents?|euros?|yen|yuan|rupees?|pesos?|mph|people|students|ways)")
 _ROW = "\ue000"  # stands for `\\` (not whitespace, unlike \x1e)
 _TEXTCMD = r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox|boldsymbol|operatorname)"
 _UNITCMD = r"\\(?:text|textbf|textit|textrm|textnormal|mbox)"
@@ -252,6 +352,7 @@ def _number_words(s: str) -> str:
 
 def _normalize(s: str) -> str:
     """Canonical spelling of an answer string (spaces kept, collapsed)."""
+    s = _undouble(s)
     for k, v in _UNICODE.items():
         s = s.replace(k, v)
     s = re.sub(r"\s+", " ", s)  # first: with single spaces no `\s*` below can backtrack badly
@@ -264,16 +365,21 @@ def _normalize(s: str) -> str:
         s = s[: m.start()] + arg[0] + s[arg[1] :]
     # Thousands separators that cannot be list commas: `10,\!080`, `14{,}916`, `1\,000`.
     s = re.sub(r"(\d)\s*(?:\{\s*,\s*\}|,\s*\\!\s*|\\,)\s*(?=\d{3}(?!\d))", r"\1", s)
-    s = re.sub(r"\\(?:left\.|right\.|displaystyle|textstyle|!)", "", s)
+    s = re.sub(r"\\(?:left\.|right\.|displaystyle|textstyle|!|(?:no)?limits(?![a-zA-Z]))", "", s)
     s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])", "", s)
+    s = re.sub(r"\s*\\q?quad\s*(?=[a-zA-Z](?:_\{?\w+\}?)?\s*=)", ";", s)  # `x = 2 \quad x = 1`: two answers
     s = re.sub(r"\\[,:; ]|\\q?quad(?![a-zA-Z])|~", " ", s)
     s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
     s = re.sub(r"\\[dt]binom(?![a-zA-Z])", r"\\binom", s)
     s = re.sub(r"\\colon(?![a-zA-Z])|\\mathbin\{:\}|\\ratio(?![a-zA-Z])", ":", s)
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])", "", s)
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "%").replace("**", "^")
+    s = re.sub(r"[€£¥₹₽₩]|\\(?:euro|pounds|yen|textdollar|texteuro|textsterling|textyen)(?![a-zA-Z])", "", s)  # like `$`
     s = re.sub(r"(?<=[\d}])\s*(?:percent|pct)\b", "%", s)
-    s = re.sub(r"\s*,?\s*\\text\{\s*,?\s*(?:and|or)\s*\}\s*|\s*,?\s+(?:and|or)\s+", ",", s)  # `6, 8, and 10`
+    # Answers joined by words are solutions, separated like groups (`x = 1 \text{ or } x = 2`,
+    # `x=1, y=2 \text{ or } x=2, y=1`, `6, 8, and 10`); see _parse.
+    s = re.sub(r"\s*,?\s*(?:\\text\{\s*,?\s*(?:and|or)\s*\}|\\(?:lor|vee)(?![a-zA-Z]))\s*|\s*,?\s+(?:and|or)\s+", ";", s)
+    s = re.sub(r"\s*;[\s;]*", ";", s)  # `x = 1 \quad\text{and}\quad x = 2` is one separator
     s = _SCALED.sub(_scaled, s)  # `4 \text{ million}` is 4000000 (before units: a scale is not a unit)
     # Trailing units in \text{...} after a value: `5.4 \text{ cents}`, `15\mbox{ cm}^2`.
     prev = None
@@ -454,6 +560,10 @@ def _relation(s: str):
         exprs, ops = exprs[::-1], ["<" if o == ">" else "\\le" for o in ops[::-1]]
     if not all(o in ("<", "\\le") for o in ops) and ops != ["\\ne"]:
         return None
+    if ops != ["\\ne"]:
+        bounded = _abs_intervals(exprs, ops)
+        if bounded is not None:
+            return bounded
     # A one-variable inequality is the interval it describes: `-2 \le x < 7` is `[-2, 7)`.
     names = [i for i, e in enumerate(exprs) if _is_name(e)]
     if ops == ["\\ne"] and len(names) == 1 and _is_constant(exprs[1 - names[0]]):  # `x \ne 2`: all reals but 2
@@ -468,6 +578,55 @@ def _relation(s: str):
         if len(exprs) <= 3:  # the relation rides along, for comparing with `-x > -1`
             return ("seq", left, right, [lo, hi], ("rel", exprs, ops))
     return ("rel", exprs, ops)
+
+
+def _abs_intervals(exprs: list, ops: list):
+    """A bound on the distance of a real variable from a constant is the set it describes:
+    `2 \\le |x| \\le 5` is `[-5, -2] \\cup [2, 5]`, `|x - 1| < 3` is `(-2, 4)`, `|x| > 1` is
+    `(-\\infty, -1) \\cup (1, \\infty)`. `exprs` and `ops` are a chain written with `<` and `\\le`.
+    None when the chain is not of that form or its bounds have no known sign."""
+    ks = [i for i, e in enumerate(exprs) if re.fullmatch(r"\|[^|]+\|", _squash(e))]
+    if len(ks) != 1 or len(exprs) > 3 or not all(_is_constant(e) for i, e in enumerate(exprs) if i != ks[0]):
+        return None
+    k = ks[0]
+    m = re.fullmatch(r"(.+?)(?:([+-])(.+))?", _squash(exprs[k])[1:-1])
+    if not _is_name(m.group(1)) or m.group(1).startswith("(") or (m.group(3) and not _is_constant(m.group(3))):
+        return None
+    center = ("-" if m.group(2) == "+" else "") + m.group(3) if m.group(3) else "0"  # |x + 1| is the distance from -1
+    lo = (exprs[k - 1], ops[k - 1] == "<") if k > 0 else None  # (bound, open)
+    hi = (exprs[k + 1], ops[k] == "<") if k + 1 < len(exprs) else ("\\infty", True)
+    vlo, vhi = _value(lo[0]) if lo else 0.0, math.inf if hi[0] == "\\infty" else _value(hi[0])
+    if vlo is None or vhi is None:
+        return None
+    if lo and (vlo < 0 or (vlo == 0 and not lo[1])):
+        lo = None  # a distance is never negative: no lower bound
+    if vhi < 0 or (vhi == 0 and hi[1]) or (lo and vlo >= vhi):
+        return None  # an empty set or a point: left as the relation
+    o = {True: "()", False: "[]"}
+    if lo is None:
+        return ("seq", o[hi[1]][0], o[hi[1]][1], [_moved(center, "-", hi[0]), _moved(center, "+", hi[0])])
+    return ("union", [("seq", o[hi[1]][0], o[lo[1]][1], [_moved(center, "-", hi[0]), _moved(center, "-", lo[0])]),
+                      ("seq", o[lo[1]][0], o[hi[1]][1], [_moved(center, "+", lo[0]), _moved(center, "+", hi[0])])])
+
+
+def _moved(center: str, sign: str, d: str):
+    """The leaf `center ± d`, exact when both are plain numbers (`\\infty` stays infinite)."""
+    if d == "\\infty":
+        return ("leaf", "\\infty" if sign == "+" else "-\\infty")
+    c, x = _number(_squash(center)), _number(_squash(d))
+    if c and x and not c[2] and not x[2]:
+        return ("leaf", _tex(c[0] + x[0] if sign == "+" else c[0] - x[0]))
+    return ("leaf", f"{center}{sign}({d})")
+
+
+def _value(s: str):
+    """The float value of a constant expression, when cheap to know, else None."""
+    try:
+        t = _Tex(_squash(s))
+        v = t.expr()[2]
+        return v if t.peek() is None else None
+    except (_Refuse, IndexError, RecursionError, ValueError, OverflowError, TypeError):
+        return None
 
 
 def _expand_pm(s: str):
@@ -583,8 +742,9 @@ def _parse(s: str):
     if len(parts) > 1:
         return ("union", [_parse(p) for p in parts])
     groups = _split_top(s, ";")
-    if 1 < len(groups) <= MAX_ITEMS and any(len(_split_top(g, ",")) > 1 for g in groups):
-        return ("set", [_parse(g) for g in groups], True)  # `m = 3, n = 1; m = 5, n = 1`: two solutions
+    sizes = {len(_split_top(g, ",")) for g in groups}
+    if 1 < len(groups) <= MAX_ITEMS and len(sizes) == 1 and sizes.pop() > 1:
+        return ("set", [_parse(g) for g in groups], "or")  # `m = 3, n = 1; m = 5, n = 1`: two solutions
     parts = [p for p in _split_top(s.replace(";", ","), ",")]
     if len(parts) > 1:
         if len(parts) > MAX_ITEMS:
@@ -593,7 +753,8 @@ def _parse(s: str):
         labels = [n[1] for n in items if n and n[0] == "assign"]
         if len(labels) == len(items) and len(set(labels)) == len(labels):
             return ("record", items)  # `PQ = 3, RS = 7`: one value per name, in this order
-        return ("set", items, True)  # a bare list: set of solutions
+        # A bare list is a set of solutions; joined by `;`, "or", "and" it says so (see _solutions_equal).
+        return ("set", items, "or" if len(groups) > 1 else True)
     rel = _relation(s)
     if rel is not None:
         return rel
@@ -702,7 +863,7 @@ _FUNCS = {"sin": "sin", "cos": "cos", "tan": "tan", "cot": "cot", "sec": "sec", 
 _GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi "
              "rho sigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split())
 _WRAPPERS = {"mathrm", "mathbf", "mathit", "text", "boldsymbol", "operatorname", "mbox", "textbf"}
-_ATOM_CMDS = {"frac", "sqrt", "binom", "pi", "infty", "lfloor", "lceil"} | set(_FUNCS) | _GREEK | _WRAPPERS
+_ATOM_CMDS = {"frac", "sqrt", "binom", "pi", "infty", "lfloor", "lceil", "sum", "prod"} | set(_FUNCS) | _GREEK | _WRAPPERS
 MAX_EXPONENT = 10_000  # |numeric exponent| allowed
 MAX_DIGITS = 100_000  # rough bound on the digits of any constant sub-expression
 
@@ -720,6 +881,7 @@ class _Tex:
 
     def __init__(self, s: str):
         self.t, self.i, self.abs, self.decimal = _TOKEN.findall(s), 0, 0, False
+        self.bound = []  # the indices of the sums and products being read (`i` is then no constant)
 
     def peek(self, k: int = 0):
         return self.t[self.i + k] if self.i + k < len(self.t) else None
@@ -813,30 +975,9 @@ class _Tex:
     def atom(self):
         tok = self.take()
         if tok[0].isdigit() or tok[0] == ".":
-            if self.peek() == "_":
-                raise _Refuse("base-n number")
-            if "." in tok:
-                self.decimal = True
-                return (f"Rational('{tok}')", len(tok), float(tok))
-            return (f"Integer({tok})", len(tok), float(tok) if len(tok) < 300 else math.inf)
+            return _tex_number(self, tok)
         if tok.isalpha() and len(tok) == 1:
-            name = tok
-            if self.peek() == "_":
-                self.take()
-                sub = self.take()
-                if sub == "{":
-                    sub = ""
-                    while self.peek() not in ("}", None):
-                        sub += self.take()
-                    self.take("}")
-                if not re.fullmatch(r"[A-Za-z0-9+\-]{1,12}", sub):
-                    raise _Refuse("subscript")
-                return (f"Symbol('{name}_{sub}')", None, None)
-            if name == "e":
-                return ("E", 1, math.e)
-            if name == "i":
-                return ("I", None, None)
-            return (f"Symbol('{name}')", None, None)
+            return _tex_letter(self, tok)
         if tok in ("(", "[", "{"):
             self.i -= 1
             return self.group({"(": ")", "[": "]", "{": "}"}[tok])
@@ -847,45 +988,118 @@ class _Tex:
             self.abs -= 1
             return (f"Abs({a[0]})", a[1], None if a[2] is None else abs(a[2]))
         name = tok[1:]
-        if name == "frac":
-            a, b = self.arg(), self.arg()
-            return (f"({a[0]})/({b[0]})", _grow(a[1], b[1]), _num(a[2], b[2], lambda x, y: x / y))
-        if name == "sqrt":
-            if self.peek() == "[":
-                n = self.group("]")
-                a = self.arg()
-                return (f"root({a[0]},{n[0]})", a[1], None)
-            a = self.arg()
-            return (f"sqrt({a[0]})", a[1], None if a[2] is None or a[2] < 0 else math.sqrt(a[2]))
-        if name == "binom":
-            a, b = self.arg(), self.arg()
-            if (a[2] is not None and abs(a[2]) > MAX_EXPONENT) or (b[2] is not None and abs(b[2]) > MAX_EXPONENT):
-                raise _Refuse("binomial")
-            return (f"binomial({a[0]},{b[0]})", None if a[2] is None else int(abs(a[2])) + 1, None)
-        if name in ("pi", "infty"):
-            return ("pi", 1, math.pi) if name == "pi" else ("oo", None, None)
+        if name in _FUNCS:
+            return _tex_function(self, name)
         if name in _GREEK:
             return (f"Symbol('{name}')", None, None)
-        if name in ("lfloor", "lceil"):
-            a = self.expr()
-            self.take("\\rfloor" if name == "lfloor" else "\\rceil")
-            return (f"{'floor' if name == 'lfloor' else 'ceiling'}({a[0]})", a[1], None)
         if name in _WRAPPERS:
             return self.group()
-        if name in _FUNCS:
-            exp = None
-            if self.peek() == "^":  # `\sin^2 x`
-                self.take()
-                exp = self.group() if self.peek() == "{" else self.single()
-            base = None
-            if name == "log" and self.peek() == "_":
-                self.take()
-                base = self.arg()
-            a = self.group(")") if self.peek() == "(" else self.term(arg=True)
-            code = f"{_FUNCS[name]}({a[0]}{',' + base[0] if base else ''})"
-            out = (code, None if a[1] is None else 1, None)
-            return _pow(out, exp) if exp else out
+        if name in _TEX_COMMANDS:
+            return _TEX_COMMANDS[name](self, name)
         raise _Refuse(tok)
+
+
+# The atoms of _Tex: each takes the parser (positioned after the atom's first token) and
+# returns (code, digits, value) like the parser's methods.
+
+def _tex_number(p: _Tex, tok: str):
+    if p.peek() == "_":
+        raise _Refuse("base-n number")
+    if "." in tok:
+        p.decimal = True
+        return (f"Rational('{tok}')", len(tok), float(tok))
+    return (f"Integer({tok})", len(tok), float(tok) if len(tok) < 300 else math.inf)
+
+
+def _tex_letter(p: _Tex, name: str):
+    """A variable, with a subscript (`a_1`, `b_{i+1}`) as part of its name; `e` and `i` are constants."""
+    if p.peek() == "_":
+        p.take()
+        sub = p.take()
+        if sub == "{":
+            sub = ""
+            while p.peek() not in ("}", None):
+                sub += p.take()
+            p.take("}")
+        if not re.fullmatch(r"[A-Za-z0-9+\-]{1,12}", sub):
+            raise _Refuse("subscript")
+        return (f"Symbol('{name}_{sub}')", None, None)
+    if name == "e" and name not in p.bound:
+        return ("E", 1, math.e)
+    if name == "i" and name not in p.bound:
+        return ("I", None, None)
+    return (f"Symbol('{name}')", None, None)
+
+
+def _tex_frac(p: _Tex, _name: str):
+    a, b = p.arg(), p.arg()
+    return (f"({a[0]})/({b[0]})", _grow(a[1], b[1]), _num(a[2], b[2], lambda x, y: x / y))
+
+
+def _tex_sqrt(p: _Tex, _name: str):
+    if p.peek() == "[":
+        n = p.group("]")
+        a = p.arg()
+        return (f"root({a[0]},{n[0]})", a[1], None)
+    a = p.arg()
+    return (f"sqrt({a[0]})", a[1], None if a[2] is None or a[2] < 0 else math.sqrt(a[2]))
+
+
+def _tex_binom(p: _Tex, _name: str):
+    a, b = p.arg(), p.arg()
+    if (a[2] is not None and abs(a[2]) > MAX_EXPONENT) or (b[2] is not None and abs(b[2]) > MAX_EXPONENT):
+        raise _Refuse("binomial")
+    return (f"binomial({a[0]},{b[0]})", None if a[2] is None else int(abs(a[2])) + 1, None)
+
+
+def _tex_constant(_p: _Tex, name: str):
+    return ("pi", 1, math.pi) if name == "pi" else ("oo", None, None)
+
+
+def _tex_floor(p: _Tex, name: str):
+    a = p.expr()
+    p.take("\\rfloor" if name == "lfloor" else "\\rceil")
+    return (f"{'floor' if name == 'lfloor' else 'ceiling'}({a[0]})", a[1], None)
+
+
+def _tex_function(p: _Tex, name: str):
+    """`\\sin x`, `\\sin^2 x`, `\\log_2 8`, `\\ln(x)`: the argument is a group or the term that follows."""
+    exp = None
+    if p.peek() == "^":  # `\sin^2 x`
+        p.take()
+        exp = p.group() if p.peek() == "{" else p.single()
+    base = None
+    if name == "log" and p.peek() == "_":
+        p.take()
+        base = p.arg()
+    a = p.group(")") if p.peek() == "(" else p.term(arg=True)
+    code = f"{_FUNCS[name]}({a[0]}{',' + base[0] if base else ''})"
+    out = (code, None if a[1] is None else 1, None)
+    return _pow(out, exp) if exp else out
+
+
+def _tex_bigop(p: _Tex, name: str):
+    """`\\prod_{i=1}^{n} a_i b_{i+1}`: sympy's unevaluated Sum / Product over the index. Its body
+    is the product that follows; `a_i` is a name, not a function of `i`, so the worker compares these
+    only as written, up to the order of terms and factors (see _worker_compare)."""
+    p.take("_")
+    p.take("{")
+    var = p.take()
+    if not (len(var) == 1 and var.isalpha()):
+        raise _Refuse("index")
+    p.take("=")
+    lo = p.expr()
+    p.take("}")
+    p.take("^")
+    hi = p.group() if p.peek() == "{" else p.single()
+    p.bound.append(var)
+    body = p.term()  # `\\prod a_i \\cdot b_i` multiplies inside; `+` ends the body
+    p.bound.pop()
+    return (f"{'Sum' if name == 'sum' else 'Product'}({body[0]},(Symbol('{var}'),{lo[0]},{hi[0]}))", None, None)
+
+
+_TEX_COMMANDS = {"frac": _tex_frac, "sqrt": _tex_sqrt, "binom": _tex_binom, "pi": _tex_constant, "infty": _tex_constant,
+                 "lfloor": _tex_floor, "lceil": _tex_floor, "sum": _tex_bigop, "prod": _tex_bigop}
 
 
 def _grow(a, b):
@@ -1017,8 +1231,35 @@ def _record_equal(r, o, ctx) -> bool:
     if o[0] == "record":
         mine, theirs = dict((n[1], n) for n in r[1]), dict((n[1], n) for n in o[1])
         return mine.keys() == theirs.keys() and all(_equal(mine[k], theirs[k], ctx) for k in mine)
-    items = o[1] if o[0] == "set" and o[2] is True else o[3] if o[0] == "seq" and o[1] == "(" else None
+    items = o[1] if o[0] == "set" and o[2] in (True, "or") else o[3] if o[0] == "seq" and o[1] == "(" else None
     return items is not None and len(items) == len(r[1]) and all(_equal(x, y, ctx) for x, y in zip(r[1], items))
+
+
+def _indexed(r) -> bool:
+    """Do a record's labels number one name (`x_1`, `x_2`, `x_{3}`)?"""
+    bases = {re.sub(r"_\{?\d+\}?$", "", n[1]) for n in r[1] if re.search(r"_\{?\d+\}?$", n[1])}
+    return len(bases) == 1 and all(re.search(r"_\{?\d+\}?$", n[1]) for n in r[1])
+
+
+def _solutions_equal(a, g, ctx) -> bool:
+    """A gold that lists every solution (a set `\\{..\\}`, `\\pm`, several tuples, or values joined
+    by `;`, "or", "and") is met by the same solutions with one repeated (`2, 1, 1` = `1 \\text{ or }
+    2`), or numbered (`x_1 = 2, x_2 = 1`). A gold that repeats a value counts multiplicities (the
+    response's distinct values never equal it). A gold list joined by commas alone may be a
+    sequence (`a_1, a_2`): it keeps its count and its numbering."""
+    if not (a and g and g[0] == "set" and a[0] in ("set", "record")):
+        return False
+    items = g[1]
+    tuples = g[2] is True and all(n and n[0] == "seq" and n[1] == "(" for n in items)
+    if not (g[2] in (False, "or", "pm") or tuples):
+        return False
+    numbered = a[0] == "record" and _indexed(a)
+    mine = [n[2] for n in a[1]] if numbered else a[1] if a[0] == "set" else []
+    once = []
+    for x in mine:
+        if not any(_equal(x, y, ctx) for y in once):
+            once.append(x)
+    return (numbered or len(once) < len(mine)) and _unordered(once, items, ctx)
 
 
 def _clock(parts: list) -> bool:
@@ -1093,7 +1334,7 @@ def _equal(a, b, ctx) -> bool:
         return all(_equal(x, y, ctx) for x, y in zip(a[3], b[3]))
     if {ka, kb} == {"seq", "set"}:  # `(1, 2)` answered as `1, 2`: compared in order
         s, q = (a, b) if ka == "set" else (b, a)
-        return s[2] is True and q[1] == "(" and len(s[1]) == len(q[3]) and all(_equal(x, y, ctx) for x, y in zip(s[1], q[3]))
+        return s[2] in (True, "or") and q[1] == "(" and len(s[1]) == len(q[3]) and all(_equal(x, y, ctx) for x, y in zip(s[1], q[3]))
     if ka == "set" and kb == "set":  # sets and lists of solutions are unordered
         return _unordered(a[1], b[1], ctx)
     if ka == "matrix" and kb == "matrix":
@@ -1127,7 +1368,8 @@ def _is_equiv(answer: str, gold: str, ctx) -> bool:
             return True
         if max(_depth(a), _depth(g)) > MAX_DEPTH:
             return False  # too deep to parse: only an exact (normalised) match counts
-        return _equal(_parse(a), _parse(g), ctx)
+        na, ng = _parse(a), _parse(g)
+        return _equal(na, ng, ctx) or _solutions_equal(na, ng, ctx)
     except RecursionError:
         return False
     except Exception:  # noqa: BLE001 - the reward must never crash training
@@ -1144,14 +1386,13 @@ def verify(response: str, gold: str, strict: bool = False, timeout: float = TIME
     gold is only ever judged by the last box (or side-by-side list), so several candidates
     stay wrong."""
     try:
-        answer = extract_answer(response, strict=strict)
+        answer, s, boxed = _extract(response, strict)
         if answer is None:
             return False
         ctx = {"left": timeout}  # one budget for all the comparisons of this response
         if _is_equiv(answer, gold, ctx) or _names_value(answer, gold, ctx):
             return True
-        s = response[-MAX_RESPONSE:]
-        if not _BOX.search(s):
+        if not boxed:  # a stated final answer outranks the boxes before it
             return False
         group = _box_group(s) or []
         if 1 < len(group) <= MAX_ITEMS and all(_is_equiv(p, gold, ctx) for p in group):
@@ -1225,6 +1466,10 @@ def _worker_compare(mode: str, ca: str, cb: str, approx: bool, ns: dict) -> bool
     import sympy
 
     a, b = eval(ca, ns), eval(cb, ns)  # noqa: S307 - code comes from _Tex, never from the input
+    if any(x.has(sympy.Sum, sympy.Product) for x in (a, b)):
+        # Over names like `a_i` a sum or product is known only as written: sympy's canonical
+        # order of terms and factors, never evaluated (`\sum_{i=1}^n a_i` would "be" `n a_i`).
+        return mode == "expr" and (a == b or a - b == 0)
     if any(x.has(sympy.oo, -sympy.oo, sympy.zoo, sympy.nan) for x in (a, b)):
         return False  # undefined or infinite (`\ln 0 + 1`): equal to nothing (`\infty` matches as a string)
     if mode == "expr" and (a == b or a - b == 0):
@@ -1302,7 +1547,7 @@ def _worker_main() -> None:
     import sympy
 
     names = ("Integer Rational Symbol sqrt root pi E I oo Abs floor ceiling factorial binomial "
-             "sin cos tan cot sec csc asin acos atan sinh cosh tanh log exp")
+             "sin cos tan cot sec csc asin acos atan sinh cosh tanh log exp Sum Product")
     ns = {"__builtins__": {}} | {n: getattr(sympy, n) for n in names.split()}
 
     class Alarm(BaseException):  # BaseException: sympy's `except Exception` cannot swallow it

@@ -101,7 +101,19 @@ def test_trap_is_false(response, gold):
     ("#### 1,234", "1,234"),
     ("so we get $x = 3$ in the end", "x = 3"),
     ("we count 3 apples and 4 pears, 7 in total", "7"),
+    ("so the condition is n != 4.", "n != 4"),  # an ASCII relation ending at the last number is the answer
+    ("Combining both, -2 <= x < 7.", "-2 <= x < 7"),
+    ("the level of H2 >= 3", "3"),  # a name glued to a digit is no variable
+    ("The inequality holds when $k >= 5$.", "k >= 5"),  # not split at the `=` of `>=`
     ("no digits here", None),
+    ("La réponse est donc 12, obtenue en 3 étapes.", "12"),  # answer cues in other languages, a connective after the cue
+    ("Die Antwort lautet $\\frac{7}{2}$. Probe: 2 \\cdot 3.5 = 7", "\\frac{7}{2}"),
+    ("Ответ: 15. Проверка: 15 − 3 = 12.", "15"),
+    ("所以答案是 $\\frac{1}{3}$。验证：3 × 3 = 9。", "\\frac{1}{3}"),
+    ("**Answer:** 42", "42"),
+    ("He pays $20, and she pays 75 $.", "75"),  # `$20, and she pays 75 $` is currency around prose, not a math span
+    (r"so \\boxed{\\sqrt{2}}", r"\sqrt{2}"),  # JSON encoded twice: every backslash doubled
+    (r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),  # a row break is no doubled command
     (None, None),
 ])
 def test_extract_answer(response, expected):
@@ -113,6 +125,8 @@ def test_strict_accepts_only_boxes():
     assert verify.extract_answer(r"The answer is \boxed{5}.", strict=True) == "5"
     assert verify.verify("The answer is 5.", "5") is True
     assert verify.verify("The answer is 5.", "5", strict=True) is False
+    stated = r"First \boxed{48}, so 48 \cdot 110 laps. Final Answer: The final answer is $5280$."
+    assert verify.extract_answer(stated) == "5280" and verify.extract_answer(stated, strict=True) == "48"
 
 
 @pytest.mark.parametrize("answer,gold,expected", [
@@ -153,7 +167,9 @@ TOKENS = [r"\frac", r"\sqrt", r"\boxed{", r"\fbox{", "{", "}", "(", ")", "[", "]
           "x", "y", "e", "i", r"\pi", r"\infty", r"\pm", r"\cdot", r"\times", "+", "-", "/", "=", "<", r"\le", ",", ".", "%",
           r"\%", "$", r"\left(", r"\right)", r"\begin{pmatrix}", r"\end{pmatrix}", "\\\\", "&", r"\text{", "cm", " ",
           r"\sin", r"\log_", r"\ln", "!", "|", r"\cup", r"\in", "The answer is ", r"\binom", r"\lfloor", r"\rfloor", "\n",
-          ":", ";", "PQ", r"\angle ", " million", "five", "<=", "AB2C"]
+          ":", ";", "PQ", r"\angle ", " million", "five", "<=", "AB2C",
+          r"\sum_{i=1}^{n}", r"\prod_", "a_i", "|x|", r"\lor", r"\quad", " != ", ">=", "€", " or ", "\\\\sqrt",
+          "Final Answer: ", "La réponse est ", "答案是", "Ответ: "]
 def fuzz(n):  # n examples, no per-example deadline (the bound is asserted in _bounded)
     return settings(max_examples=n, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
@@ -205,7 +221,8 @@ def _grow(children):
         two.map(lambda t: f"{t[0]}+{t[1]}"), two.map(lambda t: f"{t[0]}-{t[1]}"), two.map(lambda t: f"({t[0]})({t[1]})"),
         two.map(lambda t: rf"\frac{{{t[0]}}}{{{t[1]}}}"), two.map(lambda t: f"({t[0]})^{{{t[1]}}}"),
         children.map(lambda c: rf"\sqrt{{{c}}}"), children.map(lambda c: rf"\sin({c})"), children.map(lambda c: rf"\ln({c})"),
-        children.map(lambda c: f"|{c}|"), children.map(lambda c: f"-({c})"))
+        children.map(lambda c: f"|{c}|"), children.map(lambda c: f"-({c})"),
+        children.map(lambda c: rf"\sum_{{i=1}}^{{n}} ({c}) a_i"))
 
 
 EXPRESSIONS = st.recursive(st.sampled_from(["x", "y", "0", "1", "2", "3", "10", "99", r"\pi", "e", "i", "0.5", r"\frac{1}{3}"]),
