@@ -1252,8 +1252,10 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
 
 def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask, group_size=1, shared_prompt=True):
     """PPO's V(s_t) (b, T): the value model's scalar head on the hidden state before each response token, 0
-    past the response. The head (H x 1) runs in fp32 outside autocast (verl takes its bf16 output under
-    autocast): a value is a regression target's estimate, and bf16 keeps only ~3 digits of it."""
+    past the response. verl vs this code: verl's values are masked by the attention mask shifted by one, so it
+    also predicts the state after the last token and regresses it on a return of 0; at gamma = lam = 1 that
+    value cancels out of the advantages. The head (H x 1) runs in fp32 outside autocast (verl takes its bf16
+    output under autocast): a value is a regression target's estimate, and bf16 keeps only ~3 digits of it."""
     hidden, keep = response_hidden(critic, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
                                    shared_prompt)
     with torch.autocast(hidden.device.type, enabled=False):
