@@ -142,6 +142,26 @@ def test_out_of_memory_in_generate_halves_the_batch_and_keeps_every_prompt(digit
     assert "out of memory in generate" in capsys.readouterr().out
 
 
+def test_a_halved_generate_batch_carries_to_the_following_steps_logged_once(digit_model, tmp_path, monkeypatch,
+                                                                             capsys):
+    """An OOM in generate late in a step would recur every step if the smaller batch lasted one call: the size
+    it fell to is kept (cfg.gen_batch_prompts, also the in-loop eval's), so later steps never try the larger one."""
+    real, calls = pacs._generate, []
+
+    def small_memory(model, tokenizer, prompts, *a):
+        calls.append(len(prompts))
+        if len(prompts) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, tokenizer, prompts, *a)
+
+    monkeypatch.setattr(pacs, "_generate", small_memory)
+    rows = run(digit_model, tmp_path, "--steps", "3", "--gen-batch-prompts", "4")
+    assert calls == [4, 2, 2] + [2, 2] * 2  # step 0 fails once at 4 prompts; steps 1 and 2 start at 2
+    out = capsys.readouterr().out
+    assert out.count("[memory] out of memory in generate: 2 prompts per generate call from now on") == 1
+    assert len(rows) == 3
+
+
 def test_bf16_rollout_copy_follows_the_trained_weights(digit_model, tmp_path, monkeypatch):
     used = []
     real = pacs.sample

@@ -248,12 +248,12 @@ def test_pacs_py_reads_in_order_with_the_plumbing_last():
     plumbing = [i for i, text in enumerate(src.splitlines(), 1) if text.startswith("# PLUMBING: skip on a first read")]
     reading = ["Config", "pacs_score", "class_balance_weights", "pacs_loss", "agg_loss", "ppo_loss", "grpo_loss",
                "gae", "value_loss", "reinforce_loss", "algo_loss", "group_auc", "critic_change", "train_step",
-               "accumulate_mini_batch", "accumulate_critic", "step_metrics", "implicit_critic_metrics",
-               "value_model_metrics", "train", "main"]
+               "accumulate_mini_batch", "accumulate_critic", "step_metrics", "optimizer_step", "train", "main"]
     assert [line[n] for n in reading] == sorted(line[n] for n in reading)
     assert len(plumbing) == 1 and line["main"] < plumbing[0]
-    for name in ("load_problems", "load_model", "load_value_model", "sample", "response_hidden", "response_logprobs",
-                 "response_values", "memory_plan", "save_checkpoint", "parse_args"):
+    for name in ("batch_indices", "implicit_critic_metrics", "value_model_metrics", "step_line", "load_problems",
+                 "load_model", "load_value_model", "sample", "response_hidden", "response_logprobs", "response_values",
+                 "memory_plan", "save_checkpoint", "parse_args"):
         assert line[name] > plumbing[0], name
 
 
