@@ -279,8 +279,8 @@ def agg_loss(loss_mat, mask, mode, max_len=None):
         if max_len is None:
             raise ValueError("seq-mean-token-sum-norm needs max_len, the constant response-length limit")
         # verl: seq.sum() / max_len, never divided by the responses: per optimizer step its gradient is its per-GPU
-        # micro-batch size (8 in the paper's scripts) times this one. AdamW is blind to that scale; only the
-        # 1.0 grad clip sees it, so there it bites 8x as often on the same update direction.
+        # micro-batch size (8 in the paper's scripts) times this one. AdamW is blind to that scale; only the grad
+        # clip sees it: verl's clip at 1.0 is a clip at 1/8 of this gradient, so it bites more often there.
         return seq.sum() / (seq.shape[0] * max_len)
     raise ValueError(f"unknown loss_agg {mode!r}: use token-mean, seq-mean-token-sum, seq-mean-token-mean or "
                      "seq-mean-token-sum-norm")
@@ -293,8 +293,10 @@ def ppo_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, clip_c=3.0,
     ratio = torch.exp(logprobs - old_logprobs)  # (B, T): pi_theta / pi_old per token
     # PPO-clip: per token max(-A r, -A clip(r, 1 - eps, 1 + eps)), the pessimistic of the two
     clipped = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps))
-    if clip_c > 0:  # dual clip (Ye et al. 2020): for A < 0 the loss is capped at -A c, so a huge ratio on a bad
-        clipped = torch.where(advantages < 0, torch.minimum(clipped, -advantages * clip_c), clipped)  # token stops
+    # dual clip (Ye et al. 2020, verl's clip_ratio_c): for A < 0 the loss is capped at -A c, so a token whose
+    # ratio ran far above 1 + eps while its advantage is negative stops pulling (its gradient is 0)
+    if clip_c > 0:
+        clipped = torch.where(advantages < 0, torch.minimum(clipped, -advantages * clip_c), clipped)
     return agg_loss(clipped, mask, loss_agg, max_len)
 
 
