@@ -76,3 +76,24 @@ def tiny_problems_file(tmp_path_factory):
     rows = [{"id": f"t{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(8)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def digit_model(tmp_path_factory):
+    """A tiny model whose vocabulary is digits and a few symbols, so a 1-token answer is right ~1/18 of
+    the time at random: groups have mixed rewards from the first step."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("digit_model"), chars="0123456789 +?=")
+
+
+@pytest.fixture(scope="session")
+def digit_rollout(digit_model):
+    """A fixed rollout of 2 prompts x G=4 with mixed rewards and ragged response lengths: (roll, rewards)."""
+    import torch
+    import pacs
+    model, tok = pacs.load_model(digit_model)
+    torch.manual_seed(0)
+    prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 =")]
+    roll = pacs.sample(model, tok, prompts, group_size=4, max_new_tokens=6)
+    roll["response_mask"][1, 2:] = 0  # an early EOS
+    roll["response_mask"][6, 4:] = 0
+    return roll, torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])

@@ -9,7 +9,6 @@ four aggregation modes. One difference is by design: verl's seq-mean-token-sum-n
 responses / L, never divided by the number of responses; pacs.py's is the mean over responses (Dr. GRPO's
 definition), so pacs.py's value times B is verl's.
 """
-import copy
 import json
 import os
 from collections import defaultdict
@@ -19,7 +18,6 @@ import pytest
 import torch
 
 import pacs
-from conftest import make_tiny_model_dir
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -290,25 +288,8 @@ def test_official_settings_per_algo_and_flags_that_override_them():
 # ---------------------------------------------------------------------------------------------------
 # 2. In train_step: micro-batches, the critic's step, checkpoints and resume
 # ---------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def digit_model(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("digit_model"), chars="0123456789 +?=")
-
-
-@pytest.fixture(scope="module")
-def rollout(digit_model):
-    """A fixed rollout of 2 prompts x G=4 with mixed rewards and ragged response lengths."""
-    model, tok = pacs.load_model(digit_model)
-    torch.manual_seed(0)
-    prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 =")]
-    roll = pacs.sample(model, tok, prompts, group_size=4, max_new_tokens=6)
-    roll["response_mask"][1, 2:] = 0
-    roll["response_mask"][6, 4:] = 0
-    return roll, torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
-
-
 def mini_batch_grads(model_dir, roll, rewards, algo, mode, micro_batch_size):
-    """.grad of every actor parameter after accumulate_mini_batch on the whole rollout, with pi_old moved off the
+    """.grad of every actor parameter after accumulate_mini_batch on the whole digit_rollout, with pi_old moved off the
     current weights (ratios != 1) and, for PPO, fixed random advantages."""
     model, _ = pacs.load_model(model_dir)
     model.train()
@@ -327,8 +308,8 @@ def mini_batch_grads(model_dir, roll, rewards, algo, mode, micro_batch_size):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_mini_batch_gradient_does_not_depend_on_the_micro_batch_size(digit_model, rollout, algo, mode):
-    roll, rewards = rollout
+def test_mini_batch_gradient_does_not_depend_on_the_micro_batch_size(digit_model, digit_rollout, algo, mode):
+    roll, rewards = digit_rollout
     whole = mini_batch_grads(digit_model, roll, rewards, algo, mode, 8)
     assert sum(g.norm() for g in whole) > 0
     for mb in (4, 2, 1):  # whole groups, and a group split in 2 and in 4
@@ -350,8 +331,8 @@ def critic_grads(model_dir, roll, mode, micro_batch_size):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_critic_gradient_does_not_depend_on_the_micro_batch_size(digit_model, rollout, mode):
-    roll, _ = rollout
+def test_critic_gradient_does_not_depend_on_the_micro_batch_size(digit_model, digit_rollout, mode):
+    roll, _ = digit_rollout
     whole, loss, clipped = critic_grads(digit_model, roll, mode, 8)
     assert clipped > 0 and sum(g.norm() for g in whole) > 0
     for mb in (4, 2, 1):
@@ -361,10 +342,10 @@ def test_critic_gradient_does_not_depend_on_the_micro_batch_size(digit_model, ro
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
-def test_the_value_model_is_verls_and_reads_the_state_before_each_token(digit_model, rollout):
+def test_the_value_model_is_verls_and_reads_the_state_before_each_token(digit_model, digit_rollout):
     """AutoModelForTokenClassification with one label; V(s_t) is its head on the hidden state at the position
     before response token t, 0 past the response, the same on the shared-prompt and the full-row routes."""
-    roll, _ = rollout
+    roll, _ = digit_rollout
     cfg = pacs.Config(group_size=4, algo="ppo")
     critic = pacs.load_value_model(cfg, digit_model, torch.device("cpu"))
     assert type(critic).__name__ == "Qwen2ForTokenClassification" and critic.config.num_labels == 1

@@ -4,7 +4,6 @@ the update it rewrites, PPO's value model scored the same way, and PACS with the
 import itertools
 import json
 import math
-import os
 import random
 
 import pytest

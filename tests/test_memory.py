@@ -9,30 +9,11 @@ import pytest
 import torch
 
 import pacs
-from conftest import make_tiny_model_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN = os.path.join(ROOT, "..", "shared", "models", "qwen2.5-0.5b-instruct")
 needs_qwen = pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN, "config.json")),
                                 reason="needs ../shared/models/qwen2.5-0.5b-instruct (the project's shared folder)")
-
-
-@pytest.fixture(scope="module")
-def digit_model(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("digit_model"), chars="0123456789 +?=")
-
-
-@pytest.fixture(scope="module")
-def rollout(digit_model):
-    """A fixed rollout of 2 prompts x G=4 with mixed rewards and ragged response lengths."""
-    model, tok = pacs.load_model(digit_model)
-    torch.manual_seed(0)
-    prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 =")]
-    roll = pacs.sample(model, tok, prompts, group_size=4, max_new_tokens=6)
-    roll["response_mask"][1, 2:] = 0  # an early EOS
-    roll["response_mask"][6, 4:] = 0
-    rewards = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
-    return roll, rewards
 
 
 def grads_of_one_mini_batch(model_dir, roll, rewards, algo, micro_batch_size, first):
@@ -55,8 +36,8 @@ def grads_of_one_mini_batch(model_dir, roll, rewards, algo, micro_batch_size, fi
 
 @pytest.mark.parametrize("algo", ["pacs", "grpo", "reinforce"])
 @pytest.mark.parametrize("first", [True, False])
-def test_a_group_split_across_micro_batches_gives_the_whole_group_gradient(digit_model, rollout, algo, first):
-    roll, rewards = rollout
+def test_a_group_split_across_micro_batches_gives_the_whole_group_gradient(digit_model, digit_rollout, algo, first):
+    roll, rewards = digit_rollout
     whole = grads_of_one_mini_batch(digit_model, roll, rewards, algo, 8, first)
     for mb in (2, 1):  # G=4 split in 2 and in 4 micro-batches: dL/dlogprobs first, then rows
         split = grads_of_one_mini_batch(digit_model, roll, rewards, algo, mb, first)
@@ -71,18 +52,18 @@ def test_a_group_split_across_micro_batches_gives_the_whole_group_gradient(digit
 
 
 @pytest.mark.parametrize("algo", ["grpo", "reinforce"])
-def test_token_mean_baselines_do_not_depend_on_the_micro_batch_size(digit_model, rollout, algo):
+def test_token_mean_baselines_do_not_depend_on_the_micro_batch_size(digit_model, digit_rollout, algo):
     # whole groups per micro-batch (4 rows) vs the whole mini-batch at once (8 rows): token-mean over the
     # mini-batch either way, so the ragged lengths of the two groups must not reweight them
-    roll, rewards = rollout
+    roll, rewards = digit_rollout
     one = grads_of_one_mini_batch(digit_model, roll, rewards, algo, 8, False)
     two = grads_of_one_mini_batch(digit_model, roll, rewards, algo, 4, False)
     for a, b in zip(one[0], two[0]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_the_lm_head_never_sees_more_than_a_chunk_of_tokens(digit_model, rollout):
-    roll, _ = rollout
+def test_the_lm_head_never_sees_more_than_a_chunk_of_tokens(digit_model, digit_rollout):
+    roll, _ = digit_rollout
     model, _ = pacs.load_model(digit_model)
     seen = []
     model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
@@ -125,17 +106,23 @@ def test_out_of_memory_in_the_update_halves_the_micro_batch_and_loses_no_step(di
         assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
 
-def test_out_of_memory_in_generate_halves_the_batch_and_keeps_every_prompt(digit_model, monkeypatch, capsys):
-    model, tok = pacs.load_model(digit_model)
+def generate_fitting(monkeypatch, most):
+    """pacs._generate raises a simulated CUDA OOM on more than `most` prompts: the list of call sizes."""
     real, calls = pacs._generate, []
 
     def small_memory(model, tokenizer, prompts, *a):
         calls.append(len(prompts))
-        if len(prompts) > 1:
+        if len(prompts) > most:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(model, tokenizer, prompts, *a)
 
     monkeypatch.setattr(pacs, "_generate", small_memory)
+    return calls
+
+
+def test_out_of_memory_in_generate_halves_the_batch_and_keeps_every_prompt(digit_model, monkeypatch, capsys):
+    model, tok = pacs.load_model(digit_model)
+    calls = generate_fitting(monkeypatch, 1)
     prompts = [pacs.build_prompt(tok, f"{i} + 1 =") for i in range(5)]
     roll = pacs.sample(model, tok, prompts, group_size=2, max_new_tokens=3, batch_prompts=4)
     assert roll["response_ids"].shape[0] == 10 and calls == [4, 2, 1, 1, 1, 1, 1]
@@ -146,15 +133,7 @@ def test_a_halved_generate_batch_carries_to_the_following_steps_logged_once(digi
                                                                              capsys):
     """An OOM in generate late in a step would recur every step if the smaller batch lasted one call: the size
     it fell to is kept (cfg.gen_batch_prompts, also the in-loop eval's), so later steps never try the larger one."""
-    real, calls = pacs._generate, []
-
-    def small_memory(model, tokenizer, prompts, *a):
-        calls.append(len(prompts))
-        if len(prompts) > 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(model, tokenizer, prompts, *a)
-
-    monkeypatch.setattr(pacs, "_generate", small_memory)
+    calls = generate_fitting(monkeypatch, 2)
     rows = run(digit_model, tmp_path, "--steps", "3", "--gen-batch-prompts", "4")
     assert calls == [4, 2, 2] + [2, 2] * 2  # step 0 fails once at 4 prompts; steps 1 and 2 start at 2
     out = capsys.readouterr().out

@@ -11,18 +11,10 @@ import pytest
 import torch
 
 import pacs
-from conftest import make_tiny_model_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
 TIMING_KEYS = {"time_generate", "time_verify", "time_old_logprobs", "time_update", "step_time", "samples_per_s"}
-
-
-@pytest.fixture(scope="module")
-def digit_model(tmp_path_factory):
-    """A tiny model whose vocabulary is digits and a few symbols, so a 1-token answer is right ~1/18 of
-    the time at random: groups have mixed rewards from the first step."""
-    return make_tiny_model_dir(tmp_path_factory.mktemp("digit_model"), chars="0123456789 +?=")
 
 
 @pytest.fixture(scope="module")
