@@ -5,9 +5,10 @@ rule-based verifier (verify.py), score each response with the policy's own log-r
 policy with a class-balanced binary cross-entropy on that score.
 
 Reading order: Config -> the loss and its derivation (pacs_score, class_balance_weights, pacs_loss) ->
-the baselines (grpo_loss, reinforce_loss, algo_loss) -> one training step (train_step, five numbered
-phases) -> the loop (train, main). Below the PLUMBING banner: data, models, sampling, log-probs, the
-memory plan, checkpoints and flags; skip it on a first read.
+the baselines as the paper ran them in verl (agg_loss, ppo_loss, grpo_loss, gae, value_loss, reinforce_loss)
+-> the critics, measured (group_auc, critic_change) -> one training step (train_step, five numbered phases)
+-> the loop (train, main). Below the PLUMBING banner: step plumbing, data, models (PPO's value model too),
+sampling, log-probs and values, the memory plan, checkpoints and flags; skip it on a first read.
 
 Run it:
     # GPU, the paper's setting at 0.5B scale (needs the Hugging Face hub):
@@ -17,7 +18,8 @@ Run it:
     python pacs.py --model smollm2 --dataset synthetic --steps 20 --prompts-per-step 4 \\
         --num-mini-batches 1 --micro-batch-size 32 --max-new-tokens 32 --lr 1e-5 --eval-every 0
 
-    # Baselines on the same rollouts (only the loss differs): --algo grpo | --algo reinforce
+    # Baselines on the same rollouts, as the paper ran them: --algo grpo | --algo ppo (a value model) | --algo reinforce
+    # The ablation that isolates the implicit critic: --no-implicit-critic
     # Continue a killed run: the same command with --resume.
 
 Every flag: python pacs.py --help.
@@ -249,7 +251,7 @@ def pacs_loss(logprobs, old_logprobs, mask, rewards, group_size, beta=1.0, estim
         # L = mean_i w_i * BCEWithLogits(psi_i, R_i): the mean over rows, as BCEWithLogitsLoss(weight=w) does
         return F.binary_cross_entropy_with_logits(psi, labels, weight=weight)
     # critic off: the BCE's first-order expansion around psi = 0, L = BCE(0, R) + (1/B) sum_i w_i (1/2 - R_i) psi_i.
-    # dL/dpsi_i = w_i (1/2 - R_i) / B, the BCE's w_i (sigma(psi_i) - R_i) / B at sigma = 1/2 (bit for bit, as at psi = 0)
+    # dL/dpsi_i = w_i (1/2 - R_i) / B: the BCE's w_i (sigma(psi_i) - R_i) / B at sigma = 1/2, bit for bit at psi = 0
     c = (0.5 - labels) / psi.shape[0] if weight is None else weight / psi.shape[0] * (0.5 - labels)  # (B,)
     return F.binary_cross_entropy_with_logits(torch.zeros_like(psi), labels, weight=weight) + (c * psi).sum()
 
@@ -576,65 +578,9 @@ def step_metrics(step, roll, rewards, mask, group_size, entropy_sum, losses, gra
     }
 
 
-def implicit_critic_metrics(psi, rewards, group_size, balance):
-    """PACS's critic sigma(psi) on the rows of mini-batches 1..M-1 (host values; None where undefined):
-    critic_auc        share of (right, wrong) pairs within mixed groups that psi ranks right (group_auc)
-    critic_shift      mean |sigma(psi) - 1/2|: how far the critic moved off "no idea"
-    critic_adv_change |A - A0| / |A0|: the share of the update's advantage the critic rewrote (critic_change)"""
-    if psi.numel() == 0:  # M = 1: psi == 0, the critic never acts
-        return {"critic_auc": None, "critic_pairs": 0, "critic_shift": None, "critic_adv_change": None}
-    won, pairs = group_auc(psi, rewards, group_size)
-    diff2, base2 = critic_change(psi, rewards, group_size, balance)
-    return {"critic_auc": (won / pairs).item() if pairs else None, "critic_pairs": int(pairs),
-            "critic_shift": (torch.sigmoid(psi) - 0.5).abs().mean().item(),
-            "critic_adv_change": (diff2 / base2).sqrt().item() if base2 > 0 else None}
-
-
-def value_model_metrics(values, returns, mask, rewards, group_size, later, updates):
-    """PPO's critic (host values): critic_auc scored as PACS's, on the same rows and pairs, by V at each
-    response's last token (the state that has read the whole response but that token, an EOS when it ended);
-    explained variance of the returns by V over all tokens; V(s_0), one per prompt, against the group's
-    success rate; and the value loss, clip fraction, grad norm and skips of the M critic steps (updates)."""
-    m = mask.bool()
-    last = values.gather(1, (mask.sum(1).long() - 1)[:, None]).squeeze(1)  # (B,)
-    won, pairs = group_auc(last[later], rewards[later], group_size)
-    err, ret = (returns - values)[m], returns[m]
-    v0, rate = values[::group_size, 0], rewards.view(-1, group_size).mean(1)  # (B/G,) each
-    corr = torch.corrcoef(torch.stack([v0, rate]))[0, 1] if len(v0) > 1 else torch.tensor(float("nan"))
-    return {"critic_auc": (won / pairs).item() if pairs else None, "critic_pairs": int(pairs),
-            "explained_var": (1 - err.var() / (ret.var() + 1e-5)).item(),  # verl's, with its 1e-5
-            "value_first_corr": corr.item() if torch.isfinite(corr) else None,
-            "value_first_mae": (v0 - rate).abs().mean().item(),
-            "value_loss": float(np.mean([float(out[0]) for out, _, _ in updates])),
-            "value_clip_frac": sum(float(out[1]) for out, _, _ in updates) / max(mask.sum().item(), 1),
-            "critic_grad_norm": float(np.mean([norm for _, norm, _ in updates])),
-            "critic_skipped": sum(not applied for _, _, applied in updates)}
-
-
 def reward_fn(responses, answers):
     """R in {0, 1}: the rule-based verifier's verdict on each response."""
     return torch.tensor([float(verify(r, a)) for r, a in zip(responses, answers)])
-
-
-def batch_indices(step, n_problems, per_step, seed):
-    """Prompts of a step: a fixed seeded permutation per epoch, so the data order is a function of
-    (seed, step) alone and a resumed run sees exactly the prompts an uninterrupted one would."""
-    out = []
-    for pos in range(step * per_step, (step + 1) * per_step):
-        epoch, i = divmod(pos, n_problems)
-        perm = torch.randperm(n_problems, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-        out.append(int(perm[i]))
-    return out
-
-
-def _rows(roll, sl):
-    """The rollout's rows sl as response_logprobs takes them: prompt/response ids and masks."""
-    return [roll[k][sl] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
-
-
-def _micro_slices(rows, size):
-    """Consecutive slices of `size` rows covering the slice `rows`."""
-    return [slice(s, min(s + size, rows.stop)) for s in range(rows.start, rows.stop, size)]
 
 
 def _loss_share(cfg, mask, sl, mini):
@@ -644,14 +590,6 @@ def _loss_share(cfg, mask, sl, mini):
     if cfg.algo == "pacs" or cfg.loss_agg != "token-mean":
         return (sl.stop - sl.start) / (mini.stop - mini.start)
     return mask[sl].sum() / mask[mini].sum().clamp(min=1)  # a tensor: no host sync
-
-
-def valid_micro_batch_sizes(cfg):
-    """Micro-batch sizes (rows) the schedule allows: divisors of G (a group split), and multiples of G that
-    divide a mini-batch (whole groups)."""
-    G, rows_per_mini = cfg.group_size, cfg.prompts_per_step // cfg.num_mini_batches * cfg.group_size
-    return sorted({d for d in range(1, G + 1) if G % d == 0} |
-                  {m for m in range(G, rows_per_mini + 1, G) if rows_per_mini % m == 0})
 
 
 def optimizer_step(cfg, model, optimizer, what, accumulate):
@@ -679,31 +617,6 @@ def optimizer_step(cfg, model, optimizer, what, accumulate):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return out, norm.item(), applied
-
-
-def _retry_smaller(cfg, what, error):
-    """After an out-of-memory error (called outside the `except` block, whose traceback would keep the failed
-    step's tensors alive): halve --micro-batch-size (to the next allowed size), logged, and empty the cache."""
-    smaller = [s for s in valid_micro_batch_sizes(cfg) if s <= cfg.micro_batch_size // 2]
-    if not smaller:
-        raise ConfigError(f"out of memory in {what} with --micro-batch-size {cfg.micro_batch_size}: lower "
-                          f"--max-new-tokens or use --gradient-checkpointing ({error.splitlines()[0]})")
-    tqdm_write(f"[memory] out of memory in {what}: --micro-batch-size {cfg.micro_batch_size} -> {smaller[-1]}")
-    cfg.micro_batch_size = smaller[-1]
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def autocast_dtype(cfg, device_type):
-    """The dtype of the training forwards' matmuls under --autocast: bf16 on CUDA by default (fp32 master weights,
-    bf16 matmuls); on the CPU fp32 unless --autocast bf16 asks for CUDA's rounding. None: no autocast."""
-    on = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device_type == "cuda")
-    return torch.bfloat16 if on else None
-
-
-def _autocast(cfg, device):
-    dtype = autocast_dtype(cfg, device.type)
-    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 # =====================================================================================================
@@ -783,21 +696,7 @@ def train(cfg):
         if eval_problems and (step % cfg.eval_every == 0 or last):
             metrics["eval_acc"] = greedy_accuracy(rollout_model, tokenizer, eval_problems, cfg.max_new_tokens,
                                                   cfg.gen_batch_prompts)
-        line = (f"step {step:4d} | reward {metrics['reward']:.3f} | mixed {metrics['mixed_groups']:.2f} | "
-                f"len {metrics['response_len']:.1f} | trunc {metrics['truncated']:.2f} | "
-                f"ent {metrics['entropy']:.3f} | loss {metrics['loss']:.4f} | gnorm {metrics['grad_norm']:.3g} | "
-                f"{metrics['step_time']:.1f}s {metrics['samples_per_s']:.2f} samples/s")
-        num = lambda key, spec: "-" if metrics.get(key) is None else format(metrics[key], spec)
-        if metrics["psi_mean"] is not None:  # PACS: psi, and its critic's ranking, shift and share of the update
-            line += (f" | psi {metrics['psi_mean']:+.3f}±{metrics['psi_std']:.3f} sigma {metrics['sigma_psi']:.3f}"
-                     f" | critic auc {num('critic_auc', '.2f')} shift {num('critic_shift', '.3f')} "
-                     f"dA {num('critic_adv_change', '.3f')}")
-        if critic is not None:  # PPO: the value model's ranking, fit and loss
-            line += (f" | critic auc {num('critic_auc', '.2f')} ev {num('explained_var', '+.2f')} "
-                     f"vloss {num('value_loss', '.4f')}")
-        if "eval_acc" in metrics:
-            line += f" | eval {metrics['eval_acc']:.3f}"
-        tqdm_write(line)
+        tqdm_write(step_line(metrics))
         with open(metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         if cfg.log_samples_every > 0 and step % cfg.log_samples_every == 0:
@@ -825,6 +724,117 @@ def main(argv=None):
 # gets a model, data and rollouts to it: data presets and loading, GGUF conversion, model loading,
 # sampling, log-prob computation, the memory plan, checkpoints, flags.
 # #####################################################################################################
+
+# =====================================================================================================
+# Step plumbing: the data order, rows and micro-batches, out-of-memory retries, autocast, the critics' metrics
+# =====================================================================================================
+def batch_indices(step, n_problems, per_step, seed):
+    """Prompts of a step: a fixed seeded permutation per epoch, so the data order is a function of
+    (seed, step) alone and a resumed run sees exactly the prompts an uninterrupted one would."""
+    out = []
+    for pos in range(step * per_step, (step + 1) * per_step):
+        epoch, i = divmod(pos, n_problems)
+        perm = torch.randperm(n_problems, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        out.append(int(perm[i]))
+    return out
+
+
+def _rows(roll, sl):
+    """The rollout's rows sl as response_logprobs takes them: prompt/response ids and masks."""
+    return [roll[k][sl] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+
+
+def _micro_slices(rows, size):
+    """Consecutive slices of `size` rows covering the slice `rows`."""
+    return [slice(s, min(s + size, rows.stop)) for s in range(rows.start, rows.stop, size)]
+
+
+def valid_micro_batch_sizes(cfg):
+    """Micro-batch sizes (rows) the schedule allows: divisors of G (a group split), and multiples of G that
+    divide a mini-batch (whole groups)."""
+    G, rows_per_mini = cfg.group_size, cfg.prompts_per_step // cfg.num_mini_batches * cfg.group_size
+    return sorted({d for d in range(1, G + 1) if G % d == 0} |
+                  {m for m in range(G, rows_per_mini + 1, G) if rows_per_mini % m == 0})
+
+
+def _retry_smaller(cfg, what, error):
+    """After an out-of-memory error (called outside the `except` block, whose traceback would keep the failed
+    step's tensors alive): halve --micro-batch-size (to the next allowed size), logged, and empty the cache."""
+    smaller = [s for s in valid_micro_batch_sizes(cfg) if s <= cfg.micro_batch_size // 2]
+    if not smaller:
+        raise ConfigError(f"out of memory in {what} with --micro-batch-size {cfg.micro_batch_size}: lower "
+                          f"--max-new-tokens or use --gradient-checkpointing ({error.splitlines()[0]})")
+    tqdm_write(f"[memory] out of memory in {what}: --micro-batch-size {cfg.micro_batch_size} -> {smaller[-1]}")
+    cfg.micro_batch_size = smaller[-1]
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def autocast_dtype(cfg, device_type):
+    """The dtype of the training forwards' matmuls under --autocast: bf16 on CUDA by default (fp32 master weights,
+    bf16 matmuls); on the CPU fp32 unless --autocast bf16 asks for CUDA's rounding. None: no autocast."""
+    on = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device_type == "cuda")
+    return torch.bfloat16 if on else None
+
+
+def _autocast(cfg, device):
+    dtype = autocast_dtype(cfg, device.type)
+    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
+def implicit_critic_metrics(psi, rewards, group_size, balance):
+    """PACS's critic sigma(psi) on the rows of mini-batches 1..M-1 (host values; None where undefined):
+    critic_auc        share of (right, wrong) pairs within mixed groups that psi ranks right (group_auc)
+    critic_shift      mean |sigma(psi) - 1/2|: how far the critic moved off "no idea"
+    critic_adv_change |A - A0| / |A0|: the share of the update's advantage the critic rewrote (critic_change)"""
+    if psi.numel() == 0:  # M = 1: psi == 0, the critic never acts
+        return {"critic_auc": None, "critic_pairs": 0, "critic_shift": None, "critic_adv_change": None}
+    won, pairs = group_auc(psi, rewards, group_size)
+    diff2, base2 = critic_change(psi, rewards, group_size, balance)
+    return {"critic_auc": (won / pairs).item() if pairs else None, "critic_pairs": int(pairs),
+            "critic_shift": (torch.sigmoid(psi) - 0.5).abs().mean().item(),
+            "critic_adv_change": (diff2 / base2).sqrt().item() if base2 > 0 else None}
+
+
+def value_model_metrics(values, returns, mask, rewards, group_size, later, updates):
+    """PPO's critic (host values): critic_auc scored as PACS's, on the same rows and pairs, by V at each
+    response's last token (the state that has read the whole response but that token, an EOS when it ended);
+    explained variance of the returns by V over all tokens; V(s_0), one per prompt, against the group's
+    success rate; and the value loss, clip fraction, grad norm and skips of the M critic steps (updates)."""
+    m = mask.bool()
+    last = values.gather(1, (mask.sum(1).long() - 1)[:, None]).squeeze(1)  # (B,)
+    won, pairs = group_auc(last[later], rewards[later], group_size)
+    err, ret = (returns - values)[m], returns[m]
+    v0, rate = values[::group_size, 0], rewards.view(-1, group_size).mean(1)  # (B/G,) each
+    corr = torch.corrcoef(torch.stack([v0, rate]))[0, 1] if len(v0) > 1 else torch.tensor(float("nan"))
+    return {"critic_auc": (won / pairs).item() if pairs else None, "critic_pairs": int(pairs),
+            "explained_var": (1 - err.var() / (ret.var() + 1e-5)).item(),  # verl's, with its 1e-5
+            "value_first_corr": corr.item() if torch.isfinite(corr) else None,
+            "value_first_mae": (v0 - rate).abs().mean().item(),
+            "value_loss": float(np.mean([float(out[0]) for out, _, _ in updates])),
+            "value_clip_frac": sum(float(out[1]) for out, _, _ in updates) / max(mask.sum().item(), 1),
+            "critic_grad_norm": float(np.mean([norm for _, norm, _ in updates])),
+            "critic_skipped": sum(not applied for _, _, applied in updates)}
+
+
+def step_line(m):
+    """The log line of a step: its main metrics; PACS's psi and critic (ranking, shift, share of the update);
+    PPO's value model (ranking, explained variance, loss); the held-out accuracy when evaluated."""
+    num = lambda key, spec: "-" if m.get(key) is None else format(m[key], spec)
+    line = (f"step {m['step']:4d} | reward {m['reward']:.3f} | mixed {m['mixed_groups']:.2f} | "
+            f"len {m['response_len']:.1f} | trunc {m['truncated']:.2f} | ent {m['entropy']:.3f} | "
+            f"loss {m['loss']:.4f} | gnorm {m['grad_norm']:.3g} | {m['step_time']:.1f}s "
+            f"{m['samples_per_s']:.2f} samples/s")
+    if m["psi_mean"] is not None:
+        line += (f" | psi {m['psi_mean']:+.3f}±{m['psi_std']:.3f} sigma {m['sigma_psi']:.3f} | critic auc "
+                 f"{num('critic_auc', '.2f')} shift {num('critic_shift', '.3f')} dA {num('critic_adv_change', '.3f')}")
+    if "value_loss" in m:
+        line += (f" | critic auc {num('critic_auc', '.2f')} ev {num('explained_var', '+.2f')} "
+                 f"vloss {num('value_loss', '.4f')}")
+    if "eval_acc" in m:
+        line += f" | eval {m['eval_acc']:.3f}"
+    return line
+
 
 # =====================================================================================================
 # Data
