@@ -1,4 +1,4 @@
-"""experiments/trend.py: the statistics (t-interval, paired bootstrap, claim sentences), the resumable sweep
+"""experiments/trend.py (and curves.py): the statistics (t-interval, paired bootstrap, claim sentences), the resumable sweep
 (the pacs.py / eval.py runner replaced by a fake that writes their files), CLI errors, and one in-process
 end-to-end sweep on the tiny model that checks pacs.py and eval.py accept every flag the sweep passes."""
 import json
@@ -292,3 +292,20 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch, tiny_model_dir):
     stats = json.load(open(out / "stats.json"))
     assert set(stats["values"]) == {"synthetic pass@1", "synthetic pass@2", "final training reward", "final entropy"}
     assert "too few seeds" in stats["claims"][0]["sentence"]
+
+
+# ---- experiments/curves.py: metrics of runs against step ---------------------------------------------
+def test_curves_running_mean_skips_gaps_and_the_figure_is_written(tmp_path):
+    import curves
+    assert curves.running_mean([1.0, float("nan"), 3.0, 5.0], 2) == [1.0, 1.0, 3.0, 4.0]
+    assert np.isnan(curves.running_mean([float("nan"), 2.0], 3)[0])
+    for name, rewards in (("a", [0.1, 0.2, 0.4]), ("b", [0.0, 0.3, 0.3])):
+        (tmp_path / name).mkdir()
+        rows = [{"step": s, "reward": r, "critic_auc": None if s == 1 else 0.6} for s, r in enumerate(rewards)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[::-1]))
+    out = tmp_path / "fig.png"
+    curves.main([str(tmp_path / "a"), str(tmp_path / "b"), "--keys", "reward", "critic_auc", "--smooth", "2",
+                 "--out", str(out)])
+    assert out.stat().st_size > 0
+    with pytest.raises(SystemExit, match="no metrics.jsonl in"):
+        curves.main([str(tmp_path / "missing"), "--out", str(out)])
