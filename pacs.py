@@ -1140,6 +1140,18 @@ def count_parameters(model_config):
     return sum(p.numel() for p in model.parameters())
 
 
+def rollout_copy(model, dtype):
+    """The weights generate() runs on: a copy of model with its parameters cast to dtype and its buffers as they
+    are, as from_pretrained(dtype=bf16) leaves them: the RoPE frequencies inv_freq stay fp32. model.to(bf16) would
+    round them too, and the rotation angle p * inv_freq at position p would carry their rounding (up to 2^-9
+    relative: radians by position 1000), moving the sampler further from the trainer than bf16 weights do.
+    The copy is then the model eval.py loads with from_pretrained(dtype=bf16)."""
+    rollout = copy.deepcopy(model)
+    for p in rollout.parameters():  # each tensor once: a tied LM head stays tied to its embedding
+        p.data = p.data.to(dtype)
+    return rollout
+
+
 @torch.no_grad()
 def copy_weights(dst, src):
     """Refresh the rollout copy (e.g. bf16) from the trained fp32 weights: same modules, cast on copy."""
@@ -1236,7 +1248,7 @@ def setup_model(cfg, path, device):
     # refreshed from the fp32 weights after every step; old_logprobs still come from the training model
     rollout_model = model
     if _rollout_dtype(cfg, device.type) != torch.float32:
-        rollout_model = copy.deepcopy(model).to(_rollout_dtype(cfg, device.type)).eval()
+        rollout_model = rollout_copy(model, _rollout_dtype(cfg, device.type)).eval()
     return model, rollout_model, tokenizer
 
 

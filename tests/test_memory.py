@@ -253,3 +253,20 @@ def test_the_plan_counts_a_rollout_copy_exactly_when_setup_model_makes_one(devic
     assert parts["rollout copy"] == (2 * n if copy else 0)
     # setup_model copies exactly when the rollout dtype is not fp32
     assert (pacs._rollout_dtype(cfg, device_type) != torch.float32) == copy
+
+
+def test_the_rollout_copy_is_what_from_pretrained_in_bf16_loads(digit_model):
+    # casting parameters only: the RoPE frequencies (inv_freq) stay fp32, as in eval.py's bf16 model, instead of
+    # being rounded to bf16 by model.to(bf16)
+    from transformers import AutoModelForCausalLM
+    model, _ = pacs.load_model(digit_model)
+    copy = pacs.rollout_copy(model, torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(digit_model, dtype=torch.bfloat16)
+    buffers = dict(loaded.named_buffers())
+    assert any(name.endswith("inv_freq") for name in buffers)
+    for name, b in copy.named_buffers():
+        assert b.dtype == buffers[name].dtype == torch.float32 and torch.equal(b, buffers[name]), name
+    params = dict(loaded.named_parameters())
+    for name, p in copy.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, params[name]), name
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the trained model is untouched
