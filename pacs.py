@@ -541,8 +541,7 @@ def train(cfg):
         random.setstate(state["rng_python"])
         np.random.set_state(state["rng_numpy"])
         torch.set_rng_state(state["rng_torch"])
-        if state["rng_cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng_cuda"])
+        restore_cuda_rng(state["rng_cuda"])
         start = state["step"] + 1
         print(f"[resume] {resume_from}: continuing at step {start}", file=sys.stderr)
     # rows past the checkpoint (a kill after logging, before saving) are dropped: they will be redone
@@ -1176,6 +1175,19 @@ def save_checkpoint(cfg, model, tokenizer, optimizer, step):
         if old != final and not old.endswith(".tmp"):
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def restore_cuda_rng(states):
+    """Give each visible GPU the CUDA RNG state a checkpoint saved for it (states: one per GPU the saving run saw,
+    or None). A machine with another number of GPUs gets the states of the devices both have, and a note:
+    torch.cuda.set_rng_state_all would raise on a device that is not there."""
+    present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for i, state in enumerate((states or [])[:present]):
+        torch.cuda.set_rng_state(state, i)
+    saved = len(states or [])
+    if saved != present:
+        print(f"[resume] the checkpoint holds the CUDA RNG state of {saved} GPU(s), {present} are visible: restored "
+              f"{min(saved, present)}; sampling on the others will differ from an uninterrupted run", file=sys.stderr)
 
 
 def latest_checkpoint(out_dir):

@@ -94,6 +94,26 @@ def test_resume_reproduces_an_uninterrupted_run(digit_model, const7_file, tmp_pa
     assert strip_timing(resumed) == strip_timing(full)
 
 
+def test_resume_on_a_machine_with_fewer_gpus_restores_the_ones_present(digit_model, const7_file, tmp_path,
+                                                                      monkeypatch, capsys):
+    # a checkpoint from a 2-GPU machine resumed where 1 is visible: device 0 gets its state back, no error
+    run(digit_model, const7_file, tmp_path, "--steps", "1", "--save-every", "1")
+    path = tmp_path / "checkpoint-000000" / "trainer_state.pt"
+    state = torch.load(path, weights_only=False)
+    saved = [torch.full((16,), i, dtype=torch.uint8) for i in range(2)]
+    torch.save({**state, "rng_cuda": saved}, path)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device: restored.append((s, device)))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: saved[:1])  # what the next checkpoint saves
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    rows = run(digit_model, const7_file, tmp_path, "--steps", "2", "--save-every", "1", "--resume", "--device", "cpu")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert len(restored) == 1 and restored[0][1] == 0 and torch.equal(restored[0][0], saved[0])
+    assert "CUDA RNG state of 2 GPU(s), 1 are visible: restored 1" in capsys.readouterr().err
+
+
 def test_reward_rises_on_a_trivial_task(digit_model, const7_file, tmp_path):
     rows = run(digit_model, const7_file, tmp_path, "--steps", "15", "--num-mini-batches", "1",
                "--micro-batch-size", "64", "--log-samples-every", "0", "--save-every", "0")
