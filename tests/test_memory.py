@@ -302,6 +302,19 @@ def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
     assert "measured / plan" in proc.stdout and "projected 300 steps" in proc.stdout
 
 
+def test_gpu_benchmark_reports_reserved_memory_and_the_devices_count(monkeypatch):
+    # fragmentation shows in the allocator's reserved peak and the device's own count, not in the allocated peak
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_step
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2 * pacs.GiB, 22.5 * pacs.GiB))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 19.25 * pacs.GiB)
+    m = gpu_step.cuda_memory()
+    assert m == {"reserved_peak_bytes": 19.25 * pacs.GiB, "device_used_bytes": 20.5 * pacs.GiB,
+                 "device_total_bytes": 22.5 * pacs.GiB}
+    assert gpu_step.cuda_memory_text(m) == ("reserved 19.25 GiB (max_memory_reserved) | device in use 20.50 of "
+                                            "22.50 GiB (mem_get_info)")
+
+
 def test_a_mini_batch_holds_no_gradient_of_the_one_before(digit_model, tmp_path, monkeypatch):
     # zero_grad(set_to_none=True) frees the gradients only if nothing else refers to them: a list kept for the
     # grad norm once held a whole extra copy (1.8 GiB at 0.5B) through every later mini-batch
