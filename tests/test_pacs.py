@@ -73,6 +73,19 @@ def test_first_mini_batch_is_on_policy_psi_exactly_zero(digit_model, const7_file
         assert r["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # BCE at sigma = 1/2 is log 2
 
 
+@pytest.mark.parametrize("micro_batch_size", ["16", "4"])  # whole groups; a group split in two
+def test_lr_0_keeps_every_mini_batch_at_pi_old_psi_exactly_zero(digit_model, const7_file, tmp_path, micro_batch_size):
+    # the README's first check on a GPU: with lr 0 the weights never move, so the later mini-batches' log-probs
+    # (the training forward, with grad) equal their old_logprobs (a no-grad pass) bit for bit, under the bf16
+    # autocast and bf16 rollout copy of the CUDA road as in fp32
+    rows = run(digit_model, const7_file, tmp_path, "--steps", "2", "--num-mini-batches", "2", "--lr", "0",
+               "--micro-batch-size", micro_batch_size, "--autocast", "bf16", "--rollout-dtype", "bf16",
+               "--max-new-tokens", "4", "--temperature", "1.5")
+    assert any(r["mixed_groups"] > 0 for r in rows)  # a gradient was computed (and applied with lr 0)
+    for r in rows:
+        assert r["psi_mean"] == 0.0 and r["psi_std"] == 0.0 and r["sigma_psi"] == 0.5
+
+
 def test_same_seed_same_metrics(digit_model, const7_file, tmp_path):
     a = run(digit_model, const7_file, tmp_path / "a", "--steps", "3", "--seed", "3")
     b = run(digit_model, const7_file, tmp_path / "b", "--steps", "3", "--seed", "3")
