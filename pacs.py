@@ -1092,9 +1092,11 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         # the end of the forward (the last chunk's logits alive), not to the LM head's backward.
         "KV cache of the shared prompt (fp32)": 0 if ckpt else mb * (Lp + T) * kv_per_token * 4,
     }
-    end_of_forward = parts["KV cache of the shared prompt (fp32)"] + logits_tokens * V * (a + 8)
+    # the end of the forward: that cache, the last chunk's logits and (autocast) the LM head's bf16 copy
+    parts["end of the forward"] = (parts["KV cache of the shared prompt (fp32)"] + logits_tokens * V * (a + 8)
+                                   + (2 * V * H if a == 2 else 0))
     working = {"actor": parts["gradients (fp32)"] + parts["bf16 weight casts"] + activations + masks
-               + max(parts["logits chunk"], end_of_forward)}
+               + max(parts["logits chunk"], parts["end of the forward"])}
     always = parts["weights (fp32)"] + parts["AdamW moments (fp32)"] + parts["rollout copy"]
     if cfg.algo == "ppo":
         # The value model: fp32 weights and AdamW held all run long (generate included). Its update runs after the
@@ -1166,10 +1168,17 @@ def plan_memory(cfg, model_config, n_params, device_type):
                           + (f"lower --gen-batch-prompts (now {cfg.gen_batch_prompts}) or " if cfg.gen_batch_prompts > 1
                              else "lower ") + "--max-new-tokens or --max-prompt-tokens")
     if parts["peak: update"] > budget:
+        hint = ""
+        if not cfg.gradient_checkpointing:  # say whether checkpointing alone would make it fit, and at what size
+            ckpt = dataclasses.replace(cfg, gradient_checkpointing=True)
+            fits = [(s, p) for s in valid_micro_batch_sizes(cfg) if s <= max(G, cfg.micro_batch_size)
+                    for p in [memory_plan(ckpt, model_config, n_params, device_type, s, cfg.gen_batch_prompts)]
+                    if p["peak"] <= budget]
+            hint = ", or add --gradient-checkpointing" + (f" (planned: {fits[-1][1]['peak'] / GiB:.1f} GiB at "
+                                                          f"--micro-batch-size {fits[-1][0]})" if fits else "")
         raise ConfigError(f"memory plan: the update needs {parts['peak: update'] / GiB:.1f} GiB, {over}: "
                           + (f"lower --micro-batch-size (now {cfg.micro_batch_size}), " if cfg.micro_batch_size > 1
-                             else "lower ") + "--max-new-tokens or --max-prompt-tokens"
-                          + ("" if cfg.gradient_checkpointing else ", or add --gradient-checkpointing"))
+                             else "lower ") + "--max-new-tokens or --max-prompt-tokens" + hint)
     return parts
 
 
