@@ -166,7 +166,8 @@ def main():
     # page first, so that they are resident (and counted once) before the baseline is taken
     with torch.no_grad():
         sum(float(p.sum()) for p in model.parameters())
-    rss_base = rss_bytes() - 4 * n_params
+    copy_bytes = 0 if rollout_model is model else sum(p.nbytes for p in rollout_model.parameters())  # the plan's too
+    rss_base = rss_bytes() - 4 * n_params - copy_bytes
     plan = pacs.memory_plan(cfg, model.config, n_params, device.type, cfg.micro_batch_size, cfg.gen_batch_prompts)
     problems = fixed_length_prompts(tokenizer, cfg.prompts_per_step * (1 + args.timed_steps), cfg.max_prompt_tokens,
                                     args.data_dir)
