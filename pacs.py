@@ -1084,7 +1084,8 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         # a chunk's logits, their fp32 softmax and gradient; and three vocab x hidden fp32 temporaries alive at
         # once in backward (the LM head's weight gradient, its sum into the tied weight's .grad, the embedding's
         # dense gradient), plus the bf16 cast and bf16 gradient on CUDA. Measured on the CPU: 3.2 V*H*4 bytes
-        # + 4.5..9 bytes per token per vocab entry over the held state
+        # + 4.5..9 bytes per token per vocab entry over the held state in fp32; about 12 V*H + 9.2 per token and
+        # entry under bf16 autocast (the plan keeps the difference as margin: CUDA is not measured)
         "logits chunk": logits_tokens * V * (a + 8) + V * H * (12 + (4 if a == 2 else 0)),
         # The training forward's KV cache of the shared prompt, grown over the responses: fp32 keys and values
         # even under autocast (RoPE multiplies bf16 keys by fp32 cos/sin, and transformers' DynamicLayer holds
@@ -1156,13 +1157,15 @@ def plan_memory(cfg, model_config, n_params, device_type):
         cfg.micro_batch_size = fits[-1] if fits else 1
     parts = plan(cfg.micro_batch_size, cfg.gen_batch_prompts)
     print(format_plan(cfg, parts, device_type, total), file=sys.stderr)
-    over = f"over the budget of {budget / GiB:.1f} GiB ({total / GiB:.1f} GiB{' less the CUDA context' if device_type == 'cuda' else ''}, 90%)"
+    context = " less the CUDA context" if device_type == "cuda" else ""
+    over = f"over the budget of {budget / GiB:.1f} GiB ({total / GiB:.1f} GiB{context}, 90%)"
     state = sum(v for k, v in parts.items() if k in ("weights (fp32)", "AdamW moments (fp32)", "rollout copy",
                                                       "critic weights (fp32)", "critic AdamW (fp32)"))
-    if state > budget:
-        critic = " (--algo ppo adds a value model: pacs and grpo have none)" if cfg.algo == "ppo" else ""
-        raise ConfigError(f"memory plan: the weights and AdamW states alone need {state / GiB:.1f} GiB, {over}"
-                          f"{critic}; use --rollout-dtype fp32 to drop the rollout copy, or a larger card")
+    if state > budget:  # no batch size helps
+        ways = (["--rollout-dtype fp32 (no bf16 copy for generate)"] if parts["rollout copy"] else []) + (
+            ["an --algo without a value model (pacs, grpo, reinforce)"] if cfg.algo == "ppo" else [])
+        raise ConfigError(f"memory plan: the weights and AdamW states alone need {state / GiB:.1f} GiB, {over}: "
+                          f"use {', '.join(ways)}{', or ' if ways else ''}a larger card")
     if parts["peak: generate"] > budget:
         raise ConfigError(f"memory plan: generate needs {parts['peak: generate'] / GiB:.1f} GiB, {over}: "
                           + (f"lower --gen-batch-prompts (now {cfg.gen_batch_prompts}) or " if cfg.gen_batch_prompts > 1
@@ -1217,7 +1220,7 @@ def count_parameters(model_config):
 def rollout_copy(model, dtype):
     """The weights generate() runs on: a copy of model with its parameters cast to dtype and its buffers as they
     are, as from_pretrained(dtype=bf16) leaves them: the RoPE frequencies inv_freq stay fp32. model.to(bf16) would
-    round them too, and the rotation angle p * inv_freq at position p would carry their rounding (up to 2^-9
+    round them too, and the rotation angle p * inv_freq at position p would carry their rounding (up to 2^-8
     relative: radians by position 1000), moving the sampler further from the trainer than bf16 weights do.
     The copy is then the model eval.py loads with from_pretrained(dtype=bf16)."""
     rollout = copy.deepcopy(model)

@@ -249,6 +249,17 @@ def test_settings_that_do_not_fit_are_refused_naming_the_flag(flag, value, needl
 
 
 @needs_qwen
+def test_a_card_too_small_for_the_weights_alone_is_refused_naming_what_helps():
+    config = pacs.load_model_config(QWEN)
+    n = pacs.count_parameters(config)
+    with pytest.raises(pacs.ConfigError, match=r"weights and AdamW states alone need 12\.0 GiB.*: use --rollout-dtype "
+                                               r"fp32 .*, an --algo without a value model .*, or a larger card"):
+        pacs.plan_memory(pacs.Config(memory_gib=12, algo="ppo"), config, n, "cuda")
+    with pytest.raises(pacs.ConfigError, match="the update needs"):  # without the critic the state fits
+        pacs.plan_memory(pacs.Config(memory_gib=12), config, n, "cuda")
+
+
+@needs_qwen
 def test_plan_only_prints_the_plan_without_weights(capsys):
     pacs.main(["--model", QWEN, "--plan-only", "--device", "cuda", "--memory-gib", "24"])
     err = capsys.readouterr().err
