@@ -3,6 +3,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -62,12 +63,14 @@ def launch_two_processes(script_and_args, attempts=3):
     on another port. (A listening socket is caught by accelerate, which then picks a port itself.)"""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
     for _ in range(attempts):
+        port = free_port()
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-               str(free_port()), *script_and_args]
+               str(port), *script_and_args]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
             return proc
+        warnings.warn(f"port {port} was taken before torchrun bound it (EADDRINUSE): launching again")
     return proc
 
 
