@@ -670,8 +670,7 @@ def train(cfg):
         random.setstate(state["rng_python"])
         np.random.set_state(state["rng_numpy"])
         torch.set_rng_state(state["rng_torch"])
-        if state["rng_cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng_cuda"])
+        restore_cuda_rng(state["rng_cuda"])
         start = state["step"] + 1
         print(f"[resume] {resume_from}: continuing at step {start}", file=sys.stderr)
     # rows past the checkpoint (a kill after logging, before saving) are dropped: they will be redone
@@ -1316,44 +1315,87 @@ def _activation_bytes_per_token(c, a, checkpointing=False):
     return L * layer + outside
 
 
+def _attention_mask_bytes(c, a, rows, queries, keys, checkpointing=False):
+    """The 4-D attention mask SDPA saves for backward: transformers builds it boolean (rows, 1, queries, keys), and
+    every layer's SDPA keeps its own float copy in the activation dtype (bf16 under autocast: a bytes), O(T^2).
+    Counted from torch's saved tensors under --autocast bf16 and in fp32. Under checkpointing only the layer being
+    recomputed holds a float copy, beside the boolean mask the checkpoints keep."""
+    per_copy = rows * queries * keys
+    return (a + 1) * per_copy if checkpointing else c.num_hidden_layers * a * per_copy
+
+
+def critic_parameters(c, n_params):
+    """Parameters of PPO's value model for an actor of n_params: AutoModelForTokenClassification(num_labels=1) is
+    the same decoder with a score Linear(H, 1) head in place of the LM head (kept when tied to the embedding)."""
+    tied = getattr(c, "tie_word_embeddings", False)
+    return n_params - (0 if tied else c.vocab_size * c.hidden_size) + c.hidden_size + 1
+
+
 def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_prompts):
     """Predicted bytes of each part of a step's peak, for model config c with n_params parameters."""
     a = 2 if autocast_dtype(cfg, device_type) else 4  # bytes of an activation: bf16 under autocast, else fp32
     a_roll = 2 if _rollout_dtype(cfg, device_type) == torch.bfloat16 else 4
     G, Lp, T, V, H = cfg.group_size, cfg.max_prompt_tokens, cfg.max_new_tokens, c.vocab_size, c.hidden_size
-    kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim(c) * a_roll
+    L, ckpt = c.num_hidden_layers, cfg.gradient_checkpointing
+    kv_per_token = L * 2 * c.num_key_value_heads * head_dim(c)  # elements: keys and values, every layer
     qd = c.num_attention_heads * head_dim(c)
     gen_rows = gen_batch_prompts * G
     mb = micro_batch_size
+    groups = -(-mb // G)  # distinct prompts in a micro-batch
     # tokens one micro-batch runs: its distinct prompts once (shared KV cache), each response once; with the
     # shared prompt, attention over the responses still saves every row's copy of the prompt's keys and values
-    if cfg.gradient_checkpointing:
+    if ckpt:  # prompts run per row (see response_logprobs)
         activations = mb * (Lp + T) * _activation_bytes_per_token(c, a, True)
+        masks = _attention_mask_bytes(c, a, mb, Lp + T, Lp + T, True)
     else:
-        activations = ((-(-mb // G) * Lp + mb * T) * _activation_bytes_per_token(c, a)
-                       + mb * Lp * c.num_hidden_layers * 2 * a * qd)
+        activations = (groups * Lp + mb * T) * _activation_bytes_per_token(c, a) + mb * Lp * L * 2 * a * qd
+        masks = _attention_mask_bytes(c, a, groups, Lp, Lp) + _attention_mask_bytes(c, a, mb, T, Lp + T)
+    logits_tokens = min(LOGITS_CHUNK, mb * T)
     parts = {
         "weights (fp32)": 4 * n_params,
         "AdamW moments (fp32)": 8 * n_params,
         "rollout copy": 2 * n_params if a_roll == 2 else 0,  # setup_model copies whenever it is not fp32
         # generate phase
-        "KV cache of one generate call": gen_rows * (Lp + T) * kv_per_token,
+        "KV cache of one generate call": gen_rows * (Lp + T) * kv_per_token * a_roll,
         "generate: sampling logits": gen_rows * V * 4 * 3,  # fp32 logits, processed logits, probabilities
         "generate: prefill": gen_batch_prompts * Lp * 3 * a_roll * c.intermediate_size,  # one layer's MLP at a time
         # update phase
         "gradients (fp32)": 4 * n_params,
         "bf16 weight casts": 2 * (n_params - V * H) if a == 2 else 0,  # autocast's copies, held until backward
         "activations of a micro-batch": activations,
+        "attention masks (SDPA)": masks,
         # a chunk's logits, their fp32 softmax and gradient; and three vocab x hidden fp32 temporaries alive at
         # once in backward (the LM head's weight gradient, its sum into the tied weight's .grad, the embedding's
         # dense gradient), plus the bf16 cast and bf16 gradient on CUDA. Measured on the CPU: 3.2 V*H*4 bytes
-        # + 4.5..9 bytes per token per vocab entry over the held state
-        "logits chunk": min(LOGITS_CHUNK, mb * T) * V * (a + 8) + V * H * (12 + (4 if a == 2 else 0)),
+        # + 4.5..9 bytes per token per vocab entry over the held state in fp32; about 12 V*H + 9.2 per token and
+        # entry under bf16 autocast (the plan keeps the difference as margin: CUDA is not measured)
+        "logits chunk": logits_tokens * V * (a + 8) + V * H * (12 + (4 if a == 2 else 0)),
+        # The training forward's KV cache of the shared prompt, grown over the responses: fp32 keys and values
+        # even under autocast (RoPE multiplies bf16 keys by fp32 cos/sin, and transformers' DynamicLayer holds
+        # values in its keys' dtype). It is freed when response_logprobs returns, before backward: it adds to
+        # the end of the forward (the last chunk's logits alive), not to the LM head's backward.
+        "KV cache of the shared prompt (fp32)": 0 if ckpt else mb * (Lp + T) * kv_per_token * 4,
     }
+    # the end of the forward: that cache, the last chunk's logits and (autocast) the LM head's bf16 copy
+    parts["end of the forward"] = (parts["KV cache of the shared prompt (fp32)"] + logits_tokens * V * (a + 8)
+                                   + (2 * V * H if a == 2 else 0))
+    working = {"actor": parts["gradients (fp32)"] + parts["bf16 weight casts"] + activations + masks
+               + max(parts["logits chunk"], parts["end of the forward"])}
     always = parts["weights (fp32)"] + parts["AdamW moments (fp32)"] + parts["rollout copy"]
-    parts["peak: generate"] = always + sum(v for k, v in parts.items() if k.startswith(("KV", "generate")))
-    parts["peak: update"] = always + sum(parts[k] for k in ("gradients (fp32)", "bf16 weight casts",
-                                                            "activations of a micro-batch", "logits chunk"))
+    if cfg.algo == "ppo":
+        # The value model: fp32 weights and AdamW held all run long (generate included). Its update runs after the
+        # actor's gradients are freed (zero_grad(set_to_none=True)), over whole rows (no shared prompt), and has
+        # no LM head: its working set replaces the actor's at the peak instead of adding to it.
+        nc = critic_parameters(c, n_params)
+        parts["critic weights (fp32)"], parts["critic AdamW (fp32)"] = 4 * nc, 8 * nc
+        parts["critic gradients (fp32)"] = 4 * nc
+        parts["critic bf16 casts"] = 2 * (nc - V * H) if a == 2 else 0  # the embedding is a lookup: never cast
+        parts["critic activations"] = (mb * (Lp + T) * _activation_bytes_per_token(c, a, ckpt)
+                                       + _attention_mask_bytes(c, a, mb, Lp + T, Lp + T, ckpt))
+        always += parts["critic weights (fp32)"] + parts["critic AdamW (fp32)"]
+        working["critic"] = parts["critic gradients (fp32)"] + parts["critic bf16 casts"] + parts["critic activations"]
+    parts["peak: generate"] = always + sum(v for k, v in parts.items() if k.startswith(("KV cache of one", "generate")))
+    parts["peak: update"] = always + max(working.values())
     parts["peak"] = max(parts["peak: generate"], parts["peak: update"])
     return parts
 
@@ -1365,6 +1407,8 @@ def _rollout_dtype(cfg, device_type):
 
 
 def device_memory(device_type, memory_gib=0.0):
+    """Bytes the device reports (--memory-gib: as if it reported that many GiB). A "24 GB" card reports less:
+    22.5 GiB for an A10G or an L4."""
     if memory_gib > 0:
         return memory_gib * GiB
     if device_type == "cuda":
@@ -1372,11 +1416,20 @@ def device_memory(device_type, memory_gib=0.0):
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+CUDA_CONTEXT = GiB // 2  # what the CUDA context takes on the card, outside PyTorch's allocator (about 0.5 GiB)
+
+
+def plan_budget(device_type, total):
+    """Bytes the plan may fill: the card less its CUDA context, less 10% of the rest for allocator fragmentation
+    and small tensors."""
+    return 0.9 * (total - (CUDA_CONTEXT if device_type == "cuda" else 0))
+
+
 def plan_memory(cfg, model_config, n_params, device_type):
     """Fill in --micro-batch-size and --gen-batch-prompts when 0 (auto: the largest that fit), refuse
     settings that do not fit with a one-line error naming the flag, and print the plan."""
     total = device_memory(device_type, cfg.memory_gib)
-    budget = 0.9 * total  # headroom for the CUDA context, allocator fragmentation and small tensors
+    budget = plan_budget(device_type, total)
     plan = lambda mb, gb: memory_plan(cfg, model_config, n_params, device_type, mb, gb)
     P, G = cfg.prompts_per_step, cfg.group_size
     if cfg.gen_batch_prompts == 0:
@@ -1387,32 +1440,56 @@ def plan_memory(cfg, model_config, n_params, device_type):
         cfg.micro_batch_size = fits[-1] if fits else 1
     parts = plan(cfg.micro_batch_size, cfg.gen_batch_prompts)
     print(format_plan(cfg, parts, device_type, total), file=sys.stderr)
+    context = " less the CUDA context" if device_type == "cuda" else ""
+    over = f"over the budget of {budget / GiB:.1f} GiB ({total / GiB:.1f} GiB{context}, 90%)"
+    state = sum(v for k, v in parts.items() if k in ("weights (fp32)", "AdamW moments (fp32)", "rollout copy",
+                                                      "critic weights (fp32)", "critic AdamW (fp32)"))
+    if state > budget:  # no batch size helps
+        ways = (["--rollout-dtype fp32 (no bf16 copy for generate)"] if parts["rollout copy"] else []) + (
+            ["an --algo without a value model (pacs, grpo, reinforce)"] if cfg.algo == "ppo" else [])
+        raise ConfigError(f"memory plan: the weights and AdamW states alone need {state / GiB:.1f} GiB, {over}: "
+                          f"use {', '.join(ways)}{', or ' if ways else ''}a larger card")
     if parts["peak: generate"] > budget:
-        raise ConfigError(f"memory plan: generate needs {parts['peak: generate'] / GiB:.1f} GiB, over 90% of "
-                          f"{total / GiB:.1f} GiB: lower --gen-batch-prompts (now {cfg.gen_batch_prompts}) or "
-                          "--max-new-tokens")
+        raise ConfigError(f"memory plan: generate needs {parts['peak: generate'] / GiB:.1f} GiB, {over}: "
+                          + (f"lower --gen-batch-prompts (now {cfg.gen_batch_prompts}) or " if cfg.gen_batch_prompts > 1
+                             else "lower ") + "--max-new-tokens or --max-prompt-tokens")
     if parts["peak: update"] > budget:
-        raise ConfigError(f"memory plan: the update needs {parts['peak: update'] / GiB:.1f} GiB, over 90% of "
-                          f"{total / GiB:.1f} GiB: lower --micro-batch-size (now {cfg.micro_batch_size}), "
-                          "--max-new-tokens or --max-prompt-tokens, or add --gradient-checkpointing")
+        hint = ""
+        if not cfg.gradient_checkpointing:  # say whether checkpointing alone would make it fit, and at what size
+            ckpt = dataclasses.replace(cfg, gradient_checkpointing=True)
+            fits = [(s, p) for s in valid_micro_batch_sizes(cfg) if s <= max(G, cfg.micro_batch_size)
+                    for p in [memory_plan(ckpt, model_config, n_params, device_type, s, cfg.gen_batch_prompts)]
+                    if p["peak"] <= budget]
+            hint = ", or add --gradient-checkpointing" + (f" (planned: {fits[-1][1]['peak'] / GiB:.1f} GiB at "
+                                                          f"--micro-batch-size {fits[-1][0]})" if fits else "")
+        raise ConfigError(f"memory plan: the update needs {parts['peak: update'] / GiB:.1f} GiB, {over}: "
+                          + (f"lower --micro-batch-size (now {cfg.micro_batch_size}), " if cfg.micro_batch_size > 1
+                             else "lower ") + "--max-new-tokens or --max-prompt-tokens" + hint)
     return parts
 
 
 def format_plan(cfg, parts, device_type, total):
     gib = lambda k: f"{parts[k] / GiB:.2f}"
     G, Lp, T, mb = cfg.group_size, cfg.max_prompt_tokens, cfg.max_new_tokens, cfg.micro_batch_size
-    return "\n".join([
+    headroom = f"90% of the rest after {CUDA_CONTEXT / GiB:.1f} of CUDA context" if device_type == "cuda" else "90%"
+    lines = [
         f"[memory] plan on {device_type} with {total / GiB:.1f} GiB (GiB; prompts {Lp} + responses {T} tokens):",
         f"  state     weights {gib('weights (fp32)')} | AdamW {gib('AdamW moments (fp32)')} | "
         f"rollout copy {gib('rollout copy')}",
         f"  generate  {cfg.gen_batch_prompts} prompts x {G} per call: KV cache {gib('KV cache of one generate call')}"
         f" | logits {gib('generate: sampling logits')} | prefill {gib('generate: prefill')}",
         f"  update    {mb} rows per micro-batch: activations {gib('activations of a micro-batch')} | "
-        f"gradients {gib('gradients (fp32)')} | bf16 casts {gib('bf16 weight casts')} | "
-        f"logits chunk {gib('logits chunk')}",
-        f"  peak      generate {gib('peak: generate')} | update {gib('peak: update')} | "
-        f"budget {0.9 * total / GiB:.2f} (90%)",
-    ])
+        f"attention masks {gib('attention masks (SDPA)')} | gradients {gib('gradients (fp32)')} | "
+        f"bf16 casts {gib('bf16 weight casts')} | logits chunk {gib('logits chunk')} | "
+        f"prompt KV cache {gib('KV cache of the shared prompt (fp32)')}",
+    ]
+    if "critic weights (fp32)" in parts:
+        lines.append(f"  critic    weights {gib('critic weights (fp32)')} | AdamW {gib('critic AdamW (fp32)')} held; "
+                     f"its update (after the actor's): activations {gib('critic activations')} | gradients "
+                     f"{gib('critic gradients (fp32)')} | bf16 casts {gib('critic bf16 casts')}")
+    lines.append(f"  peak      generate {gib('peak: generate')} | update {gib('peak: update')} | "
+                 f"budget {plan_budget(device_type, total) / GiB:.2f} ({headroom})")
+    return "\n".join(lines)
 
 
 def count_parameters(model_config):
@@ -1421,6 +1498,18 @@ def count_parameters(model_config):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     return sum(p.numel() for p in model.parameters())
+
+
+def rollout_copy(model, dtype):
+    """The weights generate() runs on: a copy of model with its parameters cast to dtype and its buffers as they
+    are, as from_pretrained(dtype=bf16) leaves them: the RoPE frequencies inv_freq stay fp32. model.to(bf16) would
+    round them too, and the rotation angle p * inv_freq at position p would carry their rounding (up to 2^-8
+    relative: radians by position 1000), moving the sampler further from the trainer than bf16 weights do.
+    The copy is then the model eval.py loads with from_pretrained(dtype=bf16)."""
+    rollout = copy.deepcopy(model)
+    for p in rollout.parameters():  # each tensor once: a tied LM head stays tied to its embedding
+        p.data = p.data.to(dtype)
+    return rollout
 
 
 @torch.no_grad()
@@ -1452,6 +1541,19 @@ def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_
         if old != final and not old.endswith(".tmp"):
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def restore_cuda_rng(states):
+    """Give each visible GPU the CUDA RNG state a checkpoint saved for it (states: one per GPU the saving run saw,
+    or None). A machine with another number of GPUs gets the states of the devices both have, and a note:
+    torch.cuda.set_rng_state_all would raise on a device that is not there."""
+    present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for i, state in enumerate((states or [])[:present]):
+        torch.cuda.set_rng_state(state, i)
+    saved = len(states or [])
+    if saved != present:
+        print(f"[resume] the checkpoint holds the CUDA RNG state of {saved} GPU(s), {present} are visible: restored "
+              f"{min(saved, present)}; sampling on the others will differ from an uninterrupted run", file=sys.stderr)
 
 
 def latest_checkpoint(out_dir):
@@ -1561,7 +1663,7 @@ def setup_model(cfg, path, device):
     # refreshed from the fp32 weights after every step; old_logprobs still come from the training model
     rollout_model = model
     if _rollout_dtype(cfg, device.type) != torch.float32:
-        rollout_model = copy.deepcopy(model).to(_rollout_dtype(cfg, device.type)).eval()
+        rollout_model = rollout_copy(model, _rollout_dtype(cfg, device.type)).eval()
     return model, rollout_model, tokenizer
 
 

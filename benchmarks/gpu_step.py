@@ -5,8 +5,9 @@ template and generation config (../shared/models/qwen2.5-0.5b-instruct: no weigh
 MATH problems from ../shared/data cut to exactly --max-prompt-tokens, and every response is forced to
 --max-new-tokens (EOS banned before that), so the work is the default run's worst case. It runs pacs.py's
 own code (setup_model, train_step) and prints the step time split (generate / old log-probs / update),
-generated tokens/s, peak memory against pacs.py's memory plan, the update's model-FLOPs utilisation and the
-projected wall time of the default 300-step run.
+generated tokens/s, peak memory against pacs.py's memory plan (on CUDA the allocated peak, beside the reserved
+peak and the device's own count of memory in use), the update's model-FLOPs utilisation and the projected wall
+time of the default 300-step run.
 
     python benchmarks/gpu_step.py                             # CUDA, all pacs.py defaults
     python benchmarks/gpu_step.py --memory-gib 24             # what a 24 GB card gets (plan picks sizes)
@@ -95,6 +96,21 @@ def peak_bytes(device):
     return rss_bytes("VmHWM")
 
 
+def cuda_memory():
+    """What the card holds beyond the tensors: the caching allocator's reserved peak (tensors plus the free blocks
+    it keeps: fragmentation, the usual cause of an OOM on a card the tensors fit), and the device's own count of
+    memory in use (mem_get_info: reserved memory, the CUDA context, other processes) out of its total."""
+    free, total = torch.cuda.mem_get_info()
+    return {"reserved_peak_bytes": torch.cuda.max_memory_reserved(), "device_used_bytes": total - free,
+            "device_total_bytes": total}
+
+
+def cuda_memory_text(m):
+    """The numbers of cuda_memory (bytes), printed beside max_memory_allocated."""
+    return (f"reserved {m['reserved_peak_bytes'] / pacs.GiB:.2f} GiB (max_memory_reserved) | device in use "
+            f"{m['device_used_bytes'] / pacs.GiB:.2f} of {m['device_total_bytes'] / pacs.GiB:.2f} GiB (mem_get_info)")
+
+
 def update_flops(config, n_params, prompt_tokens, response_tokens, rows, groups):
     """Model FLOPs of the update phase (forward + backward = 3x forward; recomputation not counted)."""
     H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
@@ -150,7 +166,8 @@ def main():
     # page first, so that they are resident (and counted once) before the baseline is taken
     with torch.no_grad():
         sum(float(p.sum()) for p in model.parameters())
-    rss_base = rss_bytes() - 4 * n_params
+    copy_bytes = 0 if rollout_model is model else sum(p.nbytes for p in rollout_model.parameters())  # the plan's too
+    rss_base = rss_bytes() - 4 * n_params - copy_bytes
     plan = pacs.memory_plan(cfg, model.config, n_params, device.type, cfg.micro_batch_size, cfg.gen_batch_prompts)
     problems = fixed_length_prompts(tokenizer, cfg.prompts_per_step * (1 + args.timed_steps), cfg.max_prompt_tokens,
                                     args.data_dir)
@@ -164,11 +181,14 @@ def main():
         if rollout_model is not model:
             pacs.copy_weights(rollout_model, model)
         metrics["peak_bytes"] = peak_bytes(device)
+        if device.type == "cuda":
+            metrics.update(cuda_memory())
         rows.append(metrics)
+        cuda = f" | {cuda_memory_text(metrics)}" if device.type == "cuda" else ""
         print(f"step {step}{' (warm-up)' if step == 0 else ''}: {metrics['step_time']:.1f} s | generate "
               f"{metrics['time_generate']:.1f} | old log-probs {metrics['time_old_logprobs']:.1f} | update "
               f"{metrics['time_update']:.1f} | response len {metrics['response_len']:.0f} | peak "
-              f"{metrics['peak_bytes'] / pacs.GiB:.2f} GiB", flush=True)
+              f"{metrics['peak_bytes'] / pacs.GiB:.2f} GiB{cuda}", flush=True)
     pacs.sample = sample
     timed = rows[1:] or rows
     mean = lambda k: sum(r[k] for r in timed) / len(timed)
@@ -187,6 +207,8 @@ def main():
         "generated_tokens_per_s": B * T / mean("time_generate"),
         "peak_gib": measured / pacs.GiB, "plan_gib": predicted / pacs.GiB, "peak_over_plan": measured / predicted,
         "rss_base_gib": rss_base / pacs.GiB if device.type == "cpu" else None,
+        **({k: max(r[k] for r in rows) for k in ("reserved_peak_bytes", "device_used_bytes", "device_total_bytes")}
+           if device.type == "cuda" else {}),
         "update_tflops": flops / mean("time_update") / 1e12,
         "update_mfu": flops / mean("time_update") / (peak_tflops * 1e12) if peak_tflops else None,
         "projected_run_h": mean("step_time") * args.total_steps / 3600,
@@ -203,6 +225,9 @@ def main():
           f" vs plan {result['plan_gib']:.2f} GiB"
           f"{f' (incl. {rss_base / pacs.GiB:.2f} of libraries)' if device.type == 'cpu' else ''}: "
           f"measured / plan = {result['peak_over_plan']:.3f}")
+    if device.type == "cuda":  # reserved far above allocated: fragmentation (the README's GPU checklist)
+        budget = pacs.plan_budget("cuda", pacs.device_memory("cuda", cfg.memory_gib))
+        print(f"{cuda_memory_text(result)}; the plan's budget {budget / pacs.GiB:.2f} GiB")
     print(f"projected {args.total_steps} steps: {result['projected_run_h']:.1f} h (no in-loop eval, no checkpoints)")
     if args.json:
         with open(args.json, "w") as f:

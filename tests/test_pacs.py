@@ -65,6 +65,19 @@ def test_first_mini_batch_is_on_policy_psi_exactly_zero(digit_model, const7_file
         assert r["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # BCE at sigma = 1/2 is log 2
 
 
+@pytest.mark.parametrize("micro_batch_size", ["16", "4"])  # whole groups; a group split in two
+def test_lr_0_keeps_every_mini_batch_at_pi_old_psi_exactly_zero(digit_model, const7_file, tmp_path, micro_batch_size):
+    # the README's first check on a GPU: with lr 0 the weights never move, so the later mini-batches' log-probs
+    # (the training forward, with grad) equal their old_logprobs (a no-grad pass) bit for bit, under the bf16
+    # autocast and bf16 rollout copy of the CUDA road as in fp32
+    rows = run(digit_model, const7_file, tmp_path, "--steps", "2", "--num-mini-batches", "2", "--lr", "0",
+               "--micro-batch-size", micro_batch_size, "--autocast", "bf16", "--rollout-dtype", "bf16",
+               "--max-new-tokens", "4", "--temperature", "1.5")
+    assert any(r["mixed_groups"] > 0 for r in rows)  # a gradient was computed (and applied with lr 0)
+    for r in rows:
+        assert r["psi_mean"] == 0.0 and r["psi_std"] == 0.0 and r["sigma_psi"] == 0.5
+
+
 def test_same_seed_same_metrics(digit_model, const7_file, tmp_path):
     a = run(digit_model, const7_file, tmp_path / "a", "--steps", "3", "--seed", "3")
     b = run(digit_model, const7_file, tmp_path / "b", "--steps", "3", "--seed", "3")
@@ -84,6 +97,26 @@ def test_resume_reproduces_an_uninterrupted_run(digit_model, const7_file, tmp_pa
     resumed = run(digit_model, const7_file, part, "--steps", "4", "--save-every", "2", "--resume")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert strip_timing(resumed) == strip_timing(full)
+
+
+def test_resume_on_a_machine_with_fewer_gpus_restores_the_ones_present(digit_model, const7_file, tmp_path,
+                                                                      monkeypatch, capsys):
+    # a checkpoint from a 2-GPU machine resumed where 1 is visible: device 0 gets its state back, no error
+    run(digit_model, const7_file, tmp_path, "--steps", "1", "--save-every", "1")
+    path = tmp_path / "checkpoint-000000" / "trainer_state.pt"
+    state = torch.load(path, weights_only=False)
+    saved = [torch.full((16,), i, dtype=torch.uint8) for i in range(2)]
+    torch.save({**state, "rng_cuda": saved}, path)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device: restored.append((s, device)))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: saved[:1])  # what the next checkpoint saves
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    rows = run(digit_model, const7_file, tmp_path, "--steps", "2", "--save-every", "1", "--resume", "--device", "cpu")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert len(restored) == 1 and restored[0][1] == 0 and torch.equal(restored[0][0], saved[0])
+    assert "CUDA RNG state of 2 GPU(s), 1 are visible: restored 1" in capsys.readouterr().err
 
 
 def test_reward_rises_on_a_trivial_task(digit_model, const7_file, tmp_path):

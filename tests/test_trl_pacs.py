@@ -3,6 +3,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -52,22 +53,40 @@ def test_same_gradient_as_pacs_train_step(tiny_model_dir, rollout, tmp_path, mon
         assert auc[0] is None and auc[1] == pytest.approx(metrics["critic_auc"], abs=1e-6) and metrics["critic_pairs"]
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two_processes(script_and_args, attempts=3):
+    """`accelerate launch` of two CPU processes on a free port. The port is free when picked, then released for
+    torchrun to bind seconds later (5 to 8 s on a loaded 2-core machine): a socket that takes it meanwhile without
+    listening (a connection's local port) makes the bind fail with EADDRINUSE, and only then is the launch retried
+    on another port. (A listening socket is caught by accelerate, which then picks a port itself.)"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    for _ in range(attempts):
+        port = free_port()
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+               str(port), *script_and_args]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
+            return proc
+        warnings.warn(f"port {port} was taken before torchrun bound it (EADDRINUSE): launching again")
+    return proc
+
+
 def test_two_processes_same_update_as_one(tiny_model_dir, rollout, tmp_path):
     """Two CPU processes (gloo): each holds 2 of the 4 groups, M = 2 optimizer steps of one group per process;
     the same gradients as one process training on the same groups, where mini-batch m holds process 0's and
     process 1's m-th group (rollout order 0, 2, 1, 3). Launched with `accelerate launch --multi_gpu
     --num_processes 2` (torchrun) and the trainer's use_cpu=True: `accelerate launch --cpu` hands a
     multi-process CPU run to mpirun and, without it, starts a single process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "grads.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-           os.path.join(ROOT, "tests", "trl_fixed_rollout.py"), "--model-dir", tiny_model_dir, "--out", str(out),
-           "--group-size", str(G), "--per-device", str(G), "--grad-accum", "1", "--num-mini-batches", "2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = launch_two_processes([os.path.join(ROOT, "tests", "trl_fixed_rollout.py"), "--model-dir", tiny_model_dir,
+                                 "--out", str(out), "--group-size", str(G), "--per-device", str(G), "--grad-accum", "1",
+                                 "--num-mini-batches", "2"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = torch.load(out)
     assert two["num_processes"] == 2 and two["backend"] == "gloo"
