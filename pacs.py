@@ -1384,16 +1384,17 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
     always = parts["weights (fp32)"] + parts["AdamW moments (fp32)"] + parts["rollout copy"]
     if cfg.algo == "ppo":
         # The value model: fp32 weights and AdamW held all run long (generate included). Its update runs after the
-        # actor's gradients are freed (zero_grad(set_to_none=True)), over whole rows (no shared prompt), and has
-        # no LM head: its working set replaces the actor's at the peak instead of adding to it.
+        # actor's gradients are freed (zero_grad(set_to_none=True)), on the actor's route (response_values shares a
+        # group's prompt as response_logprobs does), with a Linear(H, 1) where the actor has its LM head: the same
+        # activations, masks and prompt cache, no logits. Its working set replaces the actor's at the peak.
         nc = critic_parameters(c, n_params)
         parts["critic weights (fp32)"], parts["critic AdamW (fp32)"] = 4 * nc, 8 * nc
         parts["critic gradients (fp32)"] = 4 * nc
         parts["critic bf16 casts"] = 2 * (nc - V * H) if a == 2 else 0  # the embedding is a lookup: never cast
-        parts["critic activations"] = (mb * (Lp + T) * _activation_bytes_per_token(c, a, ckpt)
-                                       + _attention_mask_bytes(c, a, mb, Lp + T, Lp + T, ckpt))
+        parts["critic activations"] = activations + masks
         always += parts["critic weights (fp32)"] + parts["critic AdamW (fp32)"]
-        working["critic"] = parts["critic gradients (fp32)"] + parts["critic bf16 casts"] + parts["critic activations"]
+        working["critic"] = (parts["critic gradients (fp32)"] + parts["critic bf16 casts"] + parts["critic activations"]
+                             + parts["KV cache of the shared prompt (fp32)"])  # the end of its forward
     parts["peak: generate"] = always + sum(v for k, v in parts.items() if k.startswith(("KV cache of one", "generate")))
     parts["peak: update"] = always + max(working.values())
     parts["peak"] = max(parts["peak: generate"], parts["peak: update"])

@@ -3,7 +3,8 @@
 Two forward/backward passes under bf16 autocast (the CUDA road's rounding), on random weights of the exact
 architecture (../shared/models/qwen2.5-0.5b-instruct: config.json only):
   actor   pacs.response_logprobs over one group of --rows responses sharing a prompt (the training forward)
-  critic  PPO's value model, AutoModelForTokenClassification(num_labels=1), over the same rows whole
+  critic  PPO's value model, AutoModelForTokenClassification(num_labels=1): pacs.response_values on the same rows,
+          the same route (the group's prompt run once)
 For each: the tensors autograd saves for backward, counted with torch.autograd.graph.saved_tensors_hooks
 (activations; the 4-D attention masks SDPA keeps per layer; autocast's bf16 weight copies), the KV cache the
 actor's forward holds, and the peak resident set of the forward and of the backward above the weights and
@@ -102,12 +103,14 @@ def measure_critic(model_dir, plan, prompt, prompt_mask, response, response_mask
     from transformers import AutoConfig, AutoModelForTokenClassification
     config = AutoConfig.from_pretrained(model_dir, num_labels=1)
     critic = AutoModelForTokenClassification.from_config(config, dtype=torch.float32).train()
-    ids, attn = torch.cat([prompt, response], 1), torch.cat([prompt_mask, response_mask], 1)  # (b, Lp + T)
-    (act, masks, casts), fwd, bwd = measure(critic, lambda: critic(input_ids=ids, attention_mask=attn).logits)
+    b = response.shape[0]
+    (act, masks, casts), fwd, bwd = measure(critic, lambda: pacs.response_values(
+        critic, prompt, prompt_mask, response, response_mask, group_size=b))
     held = plan["critic activations"] + plan["critic bf16 casts"]
     return [("critic activations and masks", act + masks, plan["critic activations"]),
             ("critic bf16 weight copies", casts, plan["critic bf16 casts"]),
-            ("critic forward peak", fwd, held), ("critic backward peak", bwd, held)]
+            ("critic forward peak", fwd, held + plan["KV cache of the shared prompt (fp32)"]),
+            ("critic backward peak", bwd, held)]
 
 
 def main():

@@ -196,11 +196,11 @@ def test_the_budget_leaves_the_cuda_context_out():
     assert pacs.plan_budget("cpu", 22.5 * pacs.GiB) == pytest.approx(0.9 * 22.5 * pacs.GiB)
 
 
-def test_the_plan_counts_the_attention_masks_sdpa_saves(digit_model, rollout):
+def test_the_plan_counts_the_attention_masks_sdpa_saves(digit_model, digit_rollout):
     # torch's own saved tensors under bf16 autocast: SDPA keeps a bf16 (rows, 1, queries, keys) copy of the mask
     # per layer, O(T^2); the plan's term must cover it (it is exact up to the last response token, which
     # predicts nothing)
-    roll, _ = rollout
+    roll, _ = digit_rollout
     model, _ = pacs.load_model(digit_model)
     model.train()
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -222,10 +222,10 @@ def test_the_plan_counts_the_attention_masks_sdpa_saves(digit_model, rollout):
     assert 0 < masks <= planned <= 1.5 * masks, (masks, planned)
 
 
-def test_the_plan_counts_the_trainers_kv_cache_at_its_fp32_size(digit_model, rollout):
+def test_the_plan_counts_the_trainers_kv_cache_at_its_fp32_size(digit_model, digit_rollout):
     # under --autocast bf16 the shared prompt's cache, grown over the responses as in response_logprobs, holds
     # fp32 keys and values: RoPE's fp32 cos/sin promote the keys, and the cache keeps values in the keys' dtype
-    roll, _ = rollout
+    roll, _ = digit_rollout
     model, _ = pacs.load_model(digit_model)
     decoder, G = model.get_decoder(), 4
     b, T = roll["response_ids"].shape
@@ -282,14 +282,16 @@ def test_ppo_counts_the_value_model_and_names_the_flag_that_makes_it_fit(capsys)
         critic = AutoModelForTokenClassification.from_config(critic_config)
     assert pacs.critic_parameters(config, n) == sum(p.numel() for p in critic.parameters())
     nc = pacs.critic_parameters(config, n)
-    for mb in (1, 8):  # the actor's working set is the larger at 1 row, the critic's (whole rows, no shared
-        pacs_plan = pacs.memory_plan(pacs.Config(), config, n, "cuda", mb, 32)  # prompt) at 8
-        ppo_plan = pacs.memory_plan(pacs.Config(algo="ppo"), config, n, "cuda", mb, 32)
+    for mb, ckpt in ((1, False), (8, False), (8, True)):  # the critic runs the actor's route without its LM head
+        pacs_plan = pacs.memory_plan(pacs.Config(gradient_checkpointing=ckpt), config, n, "cuda", mb, 32)
+        ppo_plan = pacs.memory_plan(pacs.Config(algo="ppo", gradient_checkpointing=ckpt), config, n, "cuda", mb, 32)
         assert ppo_plan["peak: generate"] == pacs_plan["peak: generate"] + 12 * nc  # weights, AdamW: held throughout
         held = ppo_plan["weights (fp32)"] + ppo_plan["AdamW moments (fp32)"] + ppo_plan["rollout copy"] + 12 * nc
         actor = pacs_plan["peak: update"] - held + 12 * nc
-        critic = sum(ppo_plan[k] for k in ("critic gradients (fp32)", "critic bf16 casts", "critic activations"))
-        assert (actor > critic) == (mb == 1)
+        critic = sum(ppo_plan[k] for k in ("critic gradients (fp32)", "critic bf16 casts", "critic activations",
+                                           "KV cache of the shared prompt (fp32)"))
+        assert ppo_plan["critic activations"] == ppo_plan["activations of a micro-batch"] + ppo_plan["attention masks (SDPA)"]
+        assert actor > critic
         assert ppo_plan["peak: update"] == held + max(actor, critic)  # the critic's update follows the actor's
     # the default PPO run on a "24 GB" card: even one row per micro-batch is over, and the refusal says what fits
     argv = ["--model", QWEN, "--algo", "ppo", "--plan-only", "--device", "cuda", "--memory-gib", "22.5"]
