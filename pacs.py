@@ -1392,9 +1392,12 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         parts["critic gradients (fp32)"] = 4 * nc
         parts["critic bf16 casts"] = 2 * (nc - V * H) if a == 2 else 0  # the embedding is a lookup: never cast
         parts["critic activations"] = activations + masks
+        # the end of its backward: the embedding's dense fp32 gradient and its sum into .grad (measured: 2.2 V*H*4
+        # bytes above the rest at 16 + 32 tokens; 3 counted, as for the actor's LM head)
+        parts["critic embedding gradient"] = 12 * V * H
         always += parts["critic weights (fp32)"] + parts["critic AdamW (fp32)"]
         working["critic"] = (parts["critic gradients (fp32)"] + parts["critic bf16 casts"] + parts["critic activations"]
-                             + parts["KV cache of the shared prompt (fp32)"])  # the end of its forward
+                             + max(parts["KV cache of the shared prompt (fp32)"], parts["critic embedding gradient"]))
     parts["peak: generate"] = always + sum(v for k, v in parts.items() if k.startswith(("KV cache of one", "generate")))
     parts["peak: update"] = always + max(working.values())
     parts["peak"] = max(parts["peak: generate"], parts["peak: update"])
@@ -1487,7 +1490,8 @@ def format_plan(cfg, parts, device_type, total):
     if "critic weights (fp32)" in parts:
         lines.append(f"  critic    weights {gib('critic weights (fp32)')} | AdamW {gib('critic AdamW (fp32)')} held; "
                      f"its update (after the actor's): activations {gib('critic activations')} | gradients "
-                     f"{gib('critic gradients (fp32)')} | bf16 casts {gib('critic bf16 casts')}")
+                     f"{gib('critic gradients (fp32)')} | bf16 casts {gib('critic bf16 casts')} | embedding gradient "
+                     f"{gib('critic embedding gradient')}")
     lines.append(f"  peak      generate {gib('peak: generate')} | update {gib('peak: update')} | "
                  f"budget {plan_budget(device_type, total) / GiB:.2f} ({headroom})")
     return "\n".join(lines)

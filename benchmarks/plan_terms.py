@@ -12,6 +12,7 @@ their gradients (allocated first, as in any micro-batch after the first), each b
 
     python benchmarks/plan_terms.py                                   # 512 + 1024 tokens, 2 rows
     python benchmarks/plan_terms.py --max-prompt-tokens 64 --max-new-tokens 512 --rows 4
+    python benchmarks/plan_terms.py --models critic                   # PPO's value model only
 """
 import argparse
 import os
@@ -110,7 +111,7 @@ def measure_critic(model_dir, plan, prompt, prompt_mask, response, response_mask
     return [("critic activations and masks", act + masks, plan["critic activations"]),
             ("critic bf16 weight copies", casts, plan["critic bf16 casts"]),
             ("critic forward peak", fwd, held + plan["KV cache of the shared prompt (fp32)"]),
-            ("critic backward peak", bwd, held)]
+            ("critic backward peak", bwd, held + plan["critic embedding gradient"])]
 
 
 def main():
@@ -119,6 +120,8 @@ def main():
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--rows", type=int, default=2, help="responses to one prompt: a micro-batch of one group")
+    ap.add_argument("--models", nargs="+", choices=["actor", "critic"], default=["actor", "critic"],
+                    help="which forward/backward to measure")
     args = ap.parse_args()
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # freed tensors leave the RSS (see gpu_step.py)
         os.execve(sys.executable, [sys.executable, *sys.argv],
@@ -136,8 +139,9 @@ def main():
     response_mask[0, T - T // 8:] = 0  # one response ends early (EOS, then padding): the masks are materialised
     print(f"Qwen2.5-0.5B shape, random weights, bf16 autocast on the CPU: one group of {b} rows, prompt {Lp} + "
           f"response {T} tokens (GiB; peaks over the weights and their gradients)")
-    rows = measure_actor(config, plan, prompt, prompt_mask, response, response_mask)
-    rows += measure_critic(args.model_dir, plan, prompt, prompt_mask, response, response_mask)
+    rows = measure_actor(config, plan, prompt, prompt_mask, response, response_mask) if "actor" in args.models else []
+    if "critic" in args.models:
+        rows += measure_critic(args.model_dir, plan, prompt, prompt_mask, response, response_mask)
     print(f"{'':34s} {'measured':>9s} {'plan':>9s} {'measured / plan':>16s}")
     for name, measured, planned in rows:
         print(f"{name:34s} {measured / GiB:9.3f} {planned / GiB:9.3f} {measured / planned:16.3f}")

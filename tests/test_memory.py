@@ -288,8 +288,8 @@ def test_ppo_counts_the_value_model_and_names_the_flag_that_makes_it_fit(capsys)
         assert ppo_plan["peak: generate"] == pacs_plan["peak: generate"] + 12 * nc  # weights, AdamW: held throughout
         held = ppo_plan["weights (fp32)"] + ppo_plan["AdamW moments (fp32)"] + ppo_plan["rollout copy"] + 12 * nc
         actor = pacs_plan["peak: update"] - held + 12 * nc
-        critic = sum(ppo_plan[k] for k in ("critic gradients (fp32)", "critic bf16 casts", "critic activations",
-                                           "KV cache of the shared prompt (fp32)"))
+        critic = sum(ppo_plan[k] for k in ("critic gradients (fp32)", "critic bf16 casts", "critic activations")) + max(
+            ppo_plan["KV cache of the shared prompt (fp32)"], ppo_plan["critic embedding gradient"])
         assert ppo_plan["critic activations"] == ppo_plan["activations of a micro-batch"] + ppo_plan["attention masks (SDPA)"]
         assert actor > critic
         assert ppo_plan["peak: update"] == held + max(actor, critic)  # the critic's update follows the actor's
