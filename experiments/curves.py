@@ -15,12 +15,17 @@ import sys
 import numpy as np
 
 
+def read_metrics(path):
+    """A pacs.py metrics.jsonl's rows, one per step, sorted by step (experiments/trend.py reads runs with it too)."""
+    with open(path) as f:
+        return sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["step"])
+
+
 def read_rows(run):
     path = os.path.join(run, "metrics.jsonl")
     if not os.path.isfile(path):
         raise SystemExit(f"curves.py: error: no metrics.jsonl in {run}")
-    with open(path) as f:
-        rows = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["step"])
+    rows = read_metrics(path)
     if not rows:
         raise SystemExit(f"curves.py: error: {path} is empty")
     return rows
@@ -39,10 +44,10 @@ def plot(runs, keys, out, smooth=1, title=""):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    rows_of = {run: read_rows(run) for run in runs}  # each file once, and every missing run before drawing
     fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 3.8), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        for run in runs:
-            rows = read_rows(run)
+        for run, rows in rows_of.items():
             steps = [r["step"] for r in rows]
             values = [np.nan if r.get(key) is None else float(r[key]) for r in rows]
             if smooth > 1:

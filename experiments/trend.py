@@ -46,6 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import eval as pacs_eval  # noqa: E402  (bootstrap_ci: one percentile bootstrap for problems and seeds)
 import pacs  # noqa: E402  (latest_checkpoint: the done-check reads pacs.py's own checkpoint layout)
+from curves import read_metrics  # noqa: E402  (a run's metrics.jsonl, sorted by step)
 
 # name -> pacs.py flags; everything else is shared by every run of a sweep
 METHODS = {
@@ -304,8 +305,7 @@ def collect(args):
             if not (os.path.isfile(os.path.join(ev, "metrics.json")) and os.path.isfile(metrics)):
                 missing.append(f"{method}-s{seed}")
                 continue
-            with open(metrics) as f:
-                rows = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["step"])
+            rows = read_metrics(metrics)
             runs.setdefault(method, {})[seed] = {"rows": rows[:args.steps], "eval": read_eval(ev)}
     return runs, missing
 
