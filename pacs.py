@@ -1350,7 +1350,7 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
     else:
         activations = (groups * Lp + mb * T) * _activation_bytes_per_token(c, a) + mb * Lp * L * 2 * a * qd
         masks = _attention_mask_bytes(c, a, groups, Lp, Lp) + _attention_mask_bytes(c, a, mb, T, Lp + T)
-    logits_tokens = min(LOGITS_CHUNK, mb * T)
+    chunk_logits = min(LOGITS_CHUNK, mb * T) * V * (a + 8)  # a chunk's logits, their fp32 softmax and gradient
     parts = {
         "weights (fp32)": 4 * n_params,
         "AdamW moments (fp32)": 8 * n_params,
@@ -1369,7 +1369,7 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         # dense gradient), plus the bf16 cast and bf16 gradient on CUDA. Measured on the CPU: 3.2 V*H*4 bytes
         # + 4.5..9 bytes per token per vocab entry over the held state in fp32; about 12 V*H + 9.2 per token and
         # entry under bf16 autocast (the plan keeps the difference as margin: CUDA is not measured)
-        "logits chunk": logits_tokens * V * (a + 8) + V * H * (12 + (4 if a == 2 else 0)),
+        "logits chunk": chunk_logits + V * H * (12 + (4 if a == 2 else 0)),
         # The training forward's KV cache of the shared prompt, grown over the responses: fp32 keys and values
         # even under autocast (RoPE multiplies bf16 keys by fp32 cos/sin, and transformers' DynamicLayer holds
         # values in its keys' dtype). It is freed when response_logprobs returns, before backward: it adds to
@@ -1377,7 +1377,7 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         "KV cache of the shared prompt (fp32)": 0 if ckpt else mb * (Lp + T) * kv_per_token * 4,
     }
     # the end of the forward: that cache, the last chunk's logits and (autocast) the LM head's bf16 copy
-    parts["end of the forward"] = (parts["KV cache of the shared prompt (fp32)"] + logits_tokens * V * (a + 8)
+    parts["end of the forward"] = (parts["KV cache of the shared prompt (fp32)"] + chunk_logits
                                    + (2 * V * H if a == 2 else 0))
     working = {"actor": parts["gradients (fp32)"] + parts["bf16 weight casts"] + activations + masks
                + max(parts["logits chunk"], parts["end of the forward"])}
@@ -1398,6 +1398,7 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         always += parts["critic weights (fp32)"] + parts["critic AdamW (fp32)"]
         working["critic"] = (parts["critic gradients (fp32)"] + parts["critic bf16 casts"] + parts["critic activations"]
                              + max(parts["KV cache of the shared prompt (fp32)"], parts["critic embedding gradient"]))
+    parts["state (held throughout)"] = always
     parts["peak: generate"] = always + sum(v for k, v in parts.items() if k.startswith(("KV cache of one", "generate")))
     parts["peak: update"] = always + max(working.values())
     parts["peak"] = max(parts["peak: generate"], parts["peak: update"])
@@ -1446,8 +1447,7 @@ def plan_memory(cfg, model_config, n_params, device_type):
     print(format_plan(cfg, parts, device_type, total), file=sys.stderr)
     context = " less the CUDA context" if device_type == "cuda" else ""
     over = f"over the budget of {budget / GiB:.1f} GiB ({total / GiB:.1f} GiB{context}, 90%)"
-    state = sum(v for k, v in parts.items() if k in ("weights (fp32)", "AdamW moments (fp32)", "rollout copy",
-                                                      "critic weights (fp32)", "critic AdamW (fp32)"))
+    state = parts["state (held throughout)"]
     if state > budget:  # no batch size helps
         ways = (["--rollout-dtype fp32 (no bf16 copy for generate)"] if parts["rollout copy"] else []) + (
             ["an --algo without a value model (pacs, grpo, reinforce)"] if cfg.algo == "ppo" else [])
