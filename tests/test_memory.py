@@ -200,22 +200,16 @@ def test_the_plan_counts_the_attention_masks_sdpa_saves(digit_model, digit_rollo
     # torch's own saved tensors under bf16 autocast: SDPA keeps a bf16 (rows, 1, queries, keys) copy of the mask
     # per layer, O(T^2); the plan's term must cover it (it is exact up to the last response token, which
     # predicts nothing)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import plan_terms  # the benchmark's count of saved tensors, at the tiny model's size
     roll, _ = digit_rollout
     model, _ = pacs.load_model(digit_model)
     model.train()
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            saved[t.untyped_storage().data_ptr()] = t
-        return t
-
+    hooks, saved = plan_terms.saved_tensors(model)
     b, T = roll["response_ids"].shape
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
         pacs.response_logprobs(model, *pacs._rows(roll, slice(0, b)), 0.9, group_size=4)
-    masks = sum(t.untyped_storage().nbytes() for t in saved.values()  # (rows, 1, q, kv); RoPE's cos/sin are fp32
-                if t.dim() == 4 and t.shape[1] == 1 and t.dtype == torch.bfloat16)
+    _, masks, _ = plan_terms.split(saved, model)  # bf16 (rows, 1, q, kv) tensors; RoPE's cos/sin are fp32
     cfg = pacs.Config(autocast="bf16", group_size=4, max_prompt_tokens=roll["prompt_ids"].shape[1],
                       max_new_tokens=T)
     planned = pacs.memory_plan(cfg, model.config, 1, "cpu", b, 1)["attention masks (SDPA)"]
