@@ -1095,10 +1095,9 @@ def _generate(model, tokenizer, prompts, group_size, gen_cfg, eos, pad):
     if group_size > 1 and ids.shape[1] > 1:
         p_ids, p_attn = enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1]
         cache = model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(1) - 1).clamp(min=0),
-                      use_cache=True, logits_to_keep=1).past_key_values
+                      use_cache=True, logits_to_keep=1).cache
         cache.batch_repeat_interleave(group_size)
-    out = generate_exactly(model, gen_cfg, input_ids=ids, attention_mask=attn,
-                           past_key_values=cache)  # (n*G, Lp+T)
+    out = generate_exactly(model, gen_cfg, input_ids=ids, attention_mask=attn, cache=cache)  # (n*G, Lp+T)
     resp = out[:, ids.shape[1]:]  # (n*G, T)
     resp_mask, truncated = first_eos_mask(resp, eos)
     resp = torch.where(resp_mask.bool(), resp, torch.full_like(resp, pad))
@@ -1217,10 +1216,10 @@ def response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask,
                       position_ids=position_ids[::group_size, :Lp], use_cache=True)
         hidden = [out.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)]  # (b, 1, H): predicts token 0
         if T > 1:
-            cache = out.past_key_values
+            cache = out.cache
             cache.batch_repeat_interleave(group_size)
             hidden.append(decoder(input_ids=response_ids[:, :T - 1], attention_mask=attn[:, :Lp + T - 1],
-                                  position_ids=position_ids[:, Lp:Lp + T - 1], past_key_values=cache,
+                                  position_ids=position_ids[:, Lp:Lp + T - 1], cache=cache,
                                   use_cache=True).last_hidden_state)  # (b, T-1, H): predicts tokens 1..T-1
         hidden = torch.cat(hidden, 1)  # (b, T, H)
     return hidden, response_mask[:, :T].bool()
@@ -1297,6 +1296,31 @@ def head_dim(c):
     return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 
+_KV_ITEMSIZES = {}  # (config class, autocast dtype) -> (key, value) bytes per element, measured once
+
+
+def kv_cache_itemsizes(config_class, autocast):
+    """(key, value) bytes per element of the training forward's shared-prompt KV cache, grown over the responses
+    under `autocast` (a dtype, or None for fp32), measured once on a one-layer model of the same class with the
+    installed transformers. Under bf16 autocast RoPE multiplies the bf16 keys by fp32 cos/sin, so the keys are
+    fp32; the values leave v_proj in bf16, and releases differ on what the cache keeps: transformers 5.24's
+    DynamicLayer keeps them bf16, earlier releases promoted them to the keys' fp32. The rule is the dtypes', not
+    the device's: CPU autocast stands in for CUDA's."""
+    if (config_class, autocast) not in _KV_ITEMSIZES:
+        from transformers import AutoModel
+        c = config_class(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+        with torch.random.fork_rng(devices=[]):  # the probe's random init must not move the run's seeded RNG
+            decoder = AutoModel.from_config(c)
+        ids = torch.zeros(1, 2, dtype=torch.long)
+        with torch.no_grad(), torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            cache = decoder(input_ids=ids, use_cache=True).cache
+            decoder(input_ids=ids, cache=cache, use_cache=True)  # grown, as over the responses
+        _KV_ITEMSIZES[config_class, autocast] = (cache.layers[0].keys.element_size(),
+                                                 cache.layers[0].values.element_size())
+    return _KV_ITEMSIZES[config_class, autocast]
+
+
 def _activation_bytes_per_token(c, a, checkpointing=False):
     """Bytes autograd keeps for backward per token of a Llama/Qwen2-style decoder, counted op by op from
     transformers' Qwen2 layer with SDPA attention (a = 2: bf16 autocast, 4: fp32). Against torch's own saved
@@ -1370,14 +1394,15 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         # + 4.5..9 bytes per token per vocab entry over the held state in fp32; about 12 V*H + 9.2 per token and
         # entry under bf16 autocast (the plan keeps the difference as margin: CUDA is not measured)
         "logits chunk": chunk_logits + V * H * (12 + (4 if a == 2 else 0)),
-        # The training forward's KV cache of the shared prompt, grown over the responses: fp32 keys and values
-        # even under autocast (RoPE multiplies bf16 keys by fp32 cos/sin, and transformers' DynamicLayer holds
-        # values in its keys' dtype). It is freed when response_logprobs returns, before backward: it adds to
-        # the end of the forward (the last chunk's logits alive), not to the LM head's backward.
-        "KV cache of the shared prompt (fp32)": 0 if ckpt else mb * (Lp + T) * kv_per_token * 4,
+        # The training forward's KV cache of the shared prompt, grown over the responses, in the dtypes the
+        # installed transformers keeps (kv_cache_itemsizes: fp32 keys under autocast; bf16 or fp32 values). It is
+        # freed when response_logprobs returns, before backward: it adds to the end of the forward (the last
+        # chunk's logits alive), not to the LM head's backward.
+        "KV cache of the shared prompt": 0 if ckpt else mb * (Lp + T) * kv_per_token // 2 * sum(
+            kv_cache_itemsizes(type(c), autocast_dtype(cfg, device_type))),
     }
     # the end of the forward: that cache, the last chunk's logits and (autocast) the LM head's bf16 copy
-    parts["end of the forward"] = (parts["KV cache of the shared prompt (fp32)"] + chunk_logits
+    parts["end of the forward"] = (parts["KV cache of the shared prompt"] + chunk_logits
                                    + (2 * V * H if a == 2 else 0))
     working = {"actor": parts["gradients (fp32)"] + parts["bf16 weight casts"] + activations + masks
                + max(parts["logits chunk"], parts["end of the forward"])}
@@ -1397,7 +1422,7 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         parts["critic embedding gradient"] = 12 * V * H
         always += parts["critic weights (fp32)"] + parts["critic AdamW (fp32)"]
         working["critic"] = (parts["critic gradients (fp32)"] + parts["critic bf16 casts"] + parts["critic activations"]
-                             + max(parts["KV cache of the shared prompt (fp32)"], parts["critic embedding gradient"]))
+                             + max(parts["KV cache of the shared prompt"], parts["critic embedding gradient"]))
     parts["state (held throughout)"] = always
     parts["peak: generate"] = always + sum(v for k, v in parts.items() if k.startswith(("KV cache of one", "generate")))
     parts["peak: update"] = always + max(working.values())
@@ -1485,7 +1510,7 @@ def format_plan(cfg, parts, device_type, total):
         f"  update    {mb} rows per micro-batch: activations {gib('activations of a micro-batch')} | "
         f"attention masks {gib('attention masks (SDPA)')} | gradients {gib('gradients (fp32)')} | "
         f"bf16 casts {gib('bf16 weight casts')} | logits chunk {gib('logits chunk')} | "
-        f"prompt KV cache {gib('KV cache of the shared prompt (fp32)')}",
+        f"prompt KV cache {gib('KV cache of the shared prompt')}",
     ]
     if "critic weights (fp32)" in parts:
         lines.append(f"  critic    weights {gib('critic weights (fp32)')} | AdamW {gib('critic AdamW (fp32)')} held; "

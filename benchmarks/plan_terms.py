@@ -82,8 +82,9 @@ def measure_actor(config, plan, prompt, prompt_mask, response, response_mask):
 
     def keep_cache(*a, **k):  # the KV cache of the shared prompt, as the responses' forward leaves it
         out = real(*a, **k)
-        cache["bytes"] = sum(t.nbytes for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
-        cache["dtype"] = out.past_key_values.layers[0].values.dtype
+        cache["bytes"] = sum(t.nbytes for layer in out.cache.layers for t in (layer.keys, layer.values))
+        cache["dtype"] = "/".join(str(t.dtype).replace("torch.", "") for t in (out.cache.layers[0].keys,
+                                                                                out.cache.layers[0].values))
         return out
 
     decoder.forward = keep_cache
@@ -94,8 +95,8 @@ def measure_actor(config, plan, prompt, prompt_mask, response, response_mask):
     return [("activations", act, plan["activations of a micro-batch"]),
             ("attention masks (SDPA)", masks, plan["attention masks (SDPA)"]),
             ("bf16 weight copies", casts, plan["bf16 weight casts"]),
-            (f"prompt KV cache ({str(cache['dtype']).replace('torch.', '')})", cache["bytes"],
-             plan["KV cache of the shared prompt (fp32)"]),
+            (f"prompt KV cache (keys/values {cache['dtype']})", cache["bytes"],
+             plan["KV cache of the shared prompt"]),
             ("forward peak", fwd, held + plan["end of the forward"]),
             ("backward peak", bwd, held + plan["logits chunk"])]
 
@@ -110,7 +111,7 @@ def measure_critic(model_dir, plan, prompt, prompt_mask, response, response_mask
     held = plan["critic activations"] + plan["critic bf16 casts"]
     return [("critic activations and masks", act + masks, plan["critic activations"]),
             ("critic bf16 weight copies", casts, plan["critic bf16 casts"]),
-            ("critic forward peak", fwd, held + plan["KV cache of the shared prompt (fp32)"]),
+            ("critic forward peak", fwd, held + plan["KV cache of the shared prompt"]),
             ("critic backward peak", bwd, held + plan["critic embedding gradient"])]
 
 

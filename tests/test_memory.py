@@ -216,22 +216,27 @@ def test_the_plan_counts_the_attention_masks_sdpa_saves(digit_model, digit_rollo
     assert 0 < masks <= planned <= 1.5 * masks, (masks, planned)
 
 
-def test_the_plan_counts_the_trainers_kv_cache_at_its_fp32_size(digit_model, digit_rollout):
-    # under --autocast bf16 the shared prompt's cache, grown over the responses as in response_logprobs, holds
-    # fp32 keys and values: RoPE's fp32 cos/sin promote the keys, and the cache keeps values in the keys' dtype
+@pytest.mark.parametrize("autocast", ["bf16", "off"])
+def test_the_plan_counts_the_trainers_kv_cache_as_the_installed_release_allocates_it(digit_model, digit_rollout,
+                                                                                      autocast):
+    # the shared prompt's cache, grown over the responses as in response_logprobs: under bf16 autocast RoPE's fp32
+    # cos/sin make the keys fp32, and releases differ on the values (5.24 keeps them bf16, earlier ones fp32), so
+    # the plan measures the dtypes (kv_cache_itemsizes) and is checked here against what this release allocates
     roll, _ = digit_rollout
     model, _ = pacs.load_model(digit_model)
     decoder, G = model.get_decoder(), 4
     b, T = roll["response_ids"].shape
     Lp = roll["prompt_ids"].shape[1]
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        cache = decoder(input_ids=roll["prompt_ids"][::G], use_cache=True).past_key_values
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast == "bf16"):
+        cache = decoder(input_ids=roll["prompt_ids"][::G], use_cache=True).cache
         cache.batch_repeat_interleave(G)
-        decoder(input_ids=roll["response_ids"][:, :T - 1], past_key_values=cache, use_cache=True)
+        decoder(input_ids=roll["response_ids"][:, :T - 1], cache=cache, use_cache=True)
     held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
-    assert {layer.keys.dtype for layer in cache.layers} == {layer.values.dtype for layer in cache.layers} == {torch.float32}
-    cfg = pacs.Config(autocast="bf16", group_size=G, max_prompt_tokens=Lp, max_new_tokens=T)
-    planned = pacs.memory_plan(cfg, model.config, 1, "cpu", b, 1)["KV cache of the shared prompt (fp32)"]
+    assert cache.layers[0].keys.dtype == torch.float32  # fp32 keys in both modes
+    assert pacs.kv_cache_itemsizes(type(model.config), pacs.autocast_dtype(pacs.Config(autocast=autocast), "cpu")) == (
+        cache.layers[0].keys.element_size(), cache.layers[0].values.element_size())
+    cfg = pacs.Config(autocast=autocast, group_size=G, max_prompt_tokens=Lp, max_new_tokens=T)
+    planned = pacs.memory_plan(cfg, model.config, 1, "cpu", b, 1)["KV cache of the shared prompt"]
     assert held <= planned <= held * (Lp + T) / (Lp + T - 1), (held, planned)  # the last token is never cached
 
 
@@ -283,7 +288,7 @@ def test_ppo_counts_the_value_model_and_names_the_flag_that_makes_it_fit(capsys)
         held = ppo_plan["weights (fp32)"] + ppo_plan["AdamW moments (fp32)"] + ppo_plan["rollout copy"] + 12 * nc
         actor = pacs_plan["peak: update"] - held + 12 * nc
         critic = sum(ppo_plan[k] for k in ("critic gradients (fp32)", "critic bf16 casts", "critic activations")) + max(
-            ppo_plan["KV cache of the shared prompt (fp32)"], ppo_plan["critic embedding gradient"])
+            ppo_plan["KV cache of the shared prompt"], ppo_plan["critic embedding gradient"])
         assert ppo_plan["critic activations"] == ppo_plan["activations of a micro-batch"] + ppo_plan["attention masks (SDPA)"]
         assert actor > critic
         assert ppo_plan["peak: update"] == held + max(actor, critic)  # the critic's update follows the actor's
