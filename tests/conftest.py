@@ -2,6 +2,7 @@
 import os
 import string
 import sys
+import warnings
 
 import pytest
 
@@ -97,3 +98,43 @@ def digit_rollout(digit_model):
     roll["response_mask"][1, 2:] = 0  # an early EOS
     roll["response_mask"][6, 4:] = 0
     return roll, torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
+
+
+# ---- a deprecated call in our own code fails the suite -----------------------------------------------------
+# A FutureWarning or DeprecationWarning provoked by a call in the project's code (OWN_CODE) is raised as an error,
+# so that the day a dependency deprecates something we call, the suite goes red with the warning's text. pytest's
+# filterwarnings cannot say this: it matches the module a warning is attributed to (warn's stacklevel), and
+# transformers attributes a deprecated forward() keyword to its own decorator (utils/output_capturing.py), one
+# frame above its wrapper, not to our line. So warnings.warn is wrapped: from the attributed frame, frames that
+# only pass a call through (torch's Module.__call__, no_grad's and transformers' decorators) are skipped, and the
+# warning is ours when the next frame is our code. A warning third-party code raises on its own behalf (its
+# attributed frame is its own code) stays a warning. tests/test_warnings.py checks both.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OWN_CODE = tuple(os.path.join(ROOT, p) for p in ("pacs.py", "verify.py", "eval.py", "experiments" + os.sep,
+                                                  "benchmarks" + os.sep, "examples" + os.sep))
+PASS_THROUGH = tuple(os.sep + os.path.join(*p) for p in (
+    ("torch", "nn", "modules", "module.py"), ("torch", "utils", "_contextlib.py"),
+    ("transformers", "utils", "generic.py"), ("transformers", "utils", "output_capturing.py"),
+    ("transformers", "utils", "deprecation.py")))
+
+
+def provoked_by_our_code(frame):
+    """Whether a warning attributed to `frame` comes from a call in OWN_CODE (pass-through frames skipped)."""
+    while frame is not None and frame.f_code.co_filename.endswith(PASS_THROUGH):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(OWN_CODE)
+
+
+def _warn_ours_as_error(message, category=None, stacklevel=1, source=None, **kwargs):
+    category = type(message) if isinstance(message, Warning) else category or UserWarning
+    if issubclass(category, (DeprecationWarning, FutureWarning)):
+        try:
+            attributed = sys._getframe(stacklevel)  # 0 is this wrapper, 1 the caller of warn
+        except ValueError:  # a stacklevel past the outermost frame: warn attributes it to sys
+            attributed = None
+        if provoked_by_our_code(attributed):
+            raise message if isinstance(message, Warning) else category(message)
+    return _warn(message, category, stacklevel + 1, source, **kwargs)
+
+
+_warn, warnings.warn = warnings.warn, _warn_ours_as_error
