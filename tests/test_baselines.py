@@ -448,3 +448,52 @@ def test_ppo_out_of_memory_in_the_critic_halves_the_micro_batch_and_redoes_it_fr
         assert r["micro_batch_size"] == 2
         for key in ("value_loss", "critic_grad_norm", "grad_norm"):
             assert r[key] == pytest.approx(ref[key], rel=1e-5), key
+
+
+def test_ppo_puts_the_outcome_reward_on_each_responses_last_token(digit_model, digit_rollout, tmp_path, monkeypatch):
+    # verl's placement, before GAE: R_i on the last real token of response i, for a response stopped by EOS and
+    # for one cut at --max-new-tokens alike. At gamma = lam = 1 the return is then R_i at every token of the
+    # response (the TD errors telescope to R_i - V(s_t)); R on any other token changes the returns after it.
+    roll, rewards = digit_rollout
+    lengths = roll["response_mask"].sum(1).long()  # (B,)
+    T = roll["response_ids"].shape[1]
+    assert (lengths < T).any() and roll["truncated"].any()  # both kinds of ending are in the rollout
+    monkeypatch.setattr(pacs, "sample", lambda *a, **k: {key: v.clone() for key, v in roll.items()})
+    monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers: rewards.clone())
+    seen, real_gae = {}, pacs.gae
+
+    def spy(token_rewards, values, mask, gamma, lam):
+        seen.update(token_rewards=token_rewards.clone(), mask=mask.clone(), gamma=gamma, lam=lam)
+        advantages, returns = real_gae(token_rewards, values, mask, gamma, lam)
+        seen["returns"] = returns.clone()
+        return advantages, returns
+
+    monkeypatch.setattr(pacs, "gae", spy)
+    run(digit_model, tmp_path, "--steps", "1", "--prompts-per-step", "2", "--max-new-tokens", str(T))
+    assert (seen["gamma"], seen["lam"]) == (1.0, 1.0)
+    expected_rewards = torch.zeros(len(rewards), T)
+    for i, n in enumerate(lengths.tolist()):
+        expected_rewards[i, n - 1] = rewards[i]
+    assert torch.equal(seen["token_rewards"], expected_rewards)
+    real = seen["mask"].bool()
+    assert torch.allclose(seen["returns"][real], rewards[:, None].expand(-1, T)[real], atol=1e-6)
+
+
+@pytest.mark.parametrize("algo, norm, applied_norm", [("grpo", 10.0, 1.0),   # above the bound: clipped to it
+                                                      ("ppo", 10.0, 1.0),
+                                                      ("grpo", 0.5, 0.5),    # below it: untouched
+                                                      ("pacs", 10.0, 10.0)])  # PACS's default: no clipping
+def test_the_applied_update_is_the_clipped_gradient_when_its_norm_is_above_max_grad_norm(algo, norm, applied_norm):
+    # the official scripts: max_grad_norm 1.0 for GRPO and PPO, none for PACS. With SGD at lr 1 the applied
+    # update is minus the gradient optimizer_step hands to the optimizer.
+    cfg = pacs.Config(algo=algo)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    direction = [torch.randn_like(p) for p in layer.parameters()]
+    scale = norm / torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in direction]))
+    before = [p.detach().clone() for p in layer.parameters()]
+    _, grad_norm, applied = pacs.optimizer_step(cfg, layer, torch.optim.SGD(layer.parameters(), lr=1.0), "test",
+                                                lambda: sum((p * d * scale).sum() for p, d in zip(layer.parameters(), direction)).backward())
+    assert applied and grad_norm == pytest.approx(norm, rel=1e-5)  # the norm before clipping is what is logged
+    for b, p, d in zip(before, layer.parameters(), direction):
+        torch.testing.assert_close(b - p.detach(), d * scale * applied_norm / norm, rtol=1e-5, atol=1e-6)
