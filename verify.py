@@ -1455,6 +1455,15 @@ _LOCK = threading.Lock()
 _CACHE: dict = {}
 
 
+def _undefined(x, sympy) -> bool:
+    """Does `x` hold an undefined or infinite value (`\\ln 0` is zoo, `\\infty - \\infty` nan)? The
+    limits of a sum or product may be infinite (`\\sum_{i=1}^{\\infty}`): a series, not a value."""
+    if x.has(sympy.zoo, sympy.nan):
+        return True
+    bodies = x.replace(lambda e: isinstance(e, (sympy.Sum, sympy.Product)), lambda e: e.function)
+    return bodies.has(sympy.oo, -sympy.oo)
+
+
 def _worker_compare(mode: str, ca: str, cb: str, approx: bool, ns: dict) -> bool:
     """Runs in the worker. `expr`: the same value; `eq` / `rel`: a = c*b for a constant c != 0
     (c > 0 for inequalities), i.e. the same equation / inequality.
@@ -1466,12 +1475,13 @@ def _worker_compare(mode: str, ca: str, cb: str, approx: bool, ns: dict) -> bool
     import sympy
 
     a, b = eval(ca, ns), eval(cb, ns)  # noqa: S307 - code comes from _Tex, never from the input
+    if any(_undefined(x, sympy) for x in (a, b)):
+        # Before any branch compares: `zoo + S + 1` is `zoo + S` to sympy (`\frac{1}{0} + 1` absorbs the 1).
+        return False  # undefined or infinite (`\ln 0 + 1`): equal to nothing (`\infty` matches as a string)
     if any(x.has(sympy.Sum, sympy.Product) for x in (a, b)):
         # Over names like `a_i` a sum or product is known only as written: sympy's canonical
         # order of terms and factors, never evaluated (`\sum_{i=1}^n a_i` would "be" `n a_i`).
-        return mode == "expr" and (a == b or a - b == 0)
-    if any(x.has(sympy.oo, -sympy.oo, sympy.zoo, sympy.nan) for x in (a, b)):
-        return False  # undefined or infinite (`\ln 0 + 1`): equal to nothing (`\infty` matches as a string)
+        return mode == "expr" and a == b
     if mode == "expr" and (a == b or a - b == 0):
         return True
     syms = sorted(a.free_symbols | b.free_symbols, key=str)

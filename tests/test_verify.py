@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import verify
@@ -74,6 +74,11 @@ TRAPS = [
     (r"The answer is \boxed{5\text{ (or 6)}}.", "5"),
     (r"The answer is \boxed{5 maybe six}.", "5"),
     (r"The answer is \boxed{|\ln(0)|+1}.", r"|\ln(0)|"),  # infinite / undefined values equal nothing
+    (r"\boxed{(-(\ln(0)+\sum_{i=1}^{n} (x) a_i))+1}", r"-(\ln(0)+\sum_{i=1}^{n} (x) a_i)"),  # ... beside a sum too
+    (r"\boxed{\frac{1}{0}+\sum_{i=1}^{n} a_i+1}", r"\frac{1}{0}+\sum_{i=1}^{n} a_i"),
+    (r"\boxed{\sum_{i=1}^{n} \ln(0) a_i + 1}", r"\sum_{i=1}^{n} \ln(0) a_i"),
+    (r"\boxed{\ln(0)\prod_{i=1}^{n} a_i+1}", r"\ln(0)\prod_{i=1}^{n} a_i"),
+    (r"\boxed{\infty+\sum_{i=1}^{n} a_i}", r"\infty+\sum_{i=1}^{n} a_i+1"),
 ]
 
 
@@ -170,8 +175,22 @@ TOKENS = [r"\frac", r"\sqrt", r"\boxed{", r"\fbox{", "{", "}", "(", ")", "[", "]
           ":", ";", "PQ", r"\angle ", " million", "five", "<=", "AB2C",
           r"\sum_{i=1}^{n}", r"\prod_", "a_i", "|x|", r"\lor", r"\quad", " != ", ">=", "€", " or ", "\\\\sqrt",
           "Final Answer: ", "La réponse est ", "答案是", "Ответ: "]
-def fuzz(n):  # n examples, no per-example deadline (the bound is asserted in _bounded)
-    return settings(max_examples=n, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+def fuzz(n):
+    """n examples (the fuzz profile's many more when it is loaded, see conftest.py), no per-example
+    deadline (the bound is asserted in _bounded)."""
+    return settings(max_examples=max(n, settings.default.max_examples), deadline=None,
+                    suppress_health_check=list(HealthCheck), database=None)
+
+
+def test_default_hypothesis_run_is_deterministic(pytestconfig):
+    """Without a chosen profile the suite's property tests draw the same examples every run."""
+    chosen = pytestconfig.getoption("--hypothesis-profile") or os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    if chosen != "ci":
+        pytest.skip(f"the Hypothesis profile {chosen!r} was chosen")
+    assert settings.default.derandomize is True and settings.default.database is None
+    for test in (test_fuzz_latex_tokens, test_fuzz_adversarial, test_fuzz_pairs, test_fuzz_expressions_no_false_positive):
+        used = test._hypothesis_internal_use_settings  # what @fuzz(n) gave the test: the profile's, plus its count
+        assert used.derandomize is True and used.database is None and used.max_examples >= 2000
 
 
 def _bounded(fn, *args):
@@ -231,6 +250,12 @@ EXPRESSIONS = st.recursive(st.sampled_from(["x", "y", "0", "1", "2", "3", "10", 
 
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")  # long reprs of big expressions
 @fuzz(2000)
+@example(r"-(\ln(0)+\sum_{i=1}^{n} (x) a_i)")  # found by the fuzz run: sympy's zoo absorbed the +1 inside a sum
+@example(r"\ln(0)\prod_{i=1}^{n} (x) a_i")  # its neighbours: undefined inside a product,
+@example(r"\frac{1}{0}+\sum_{i=1}^{n} (y) a_i")  # a division by zero beside a sum,
+@example(r"\sum_{i=1}^{n} (\frac{1}{0}) a_i")  # ... inside one,
+@example(r"\infty+\sum_{i=1}^{n} (2) a_i")  # infinity beside a sum
+@example(r"\sum_{i=1}^{n} (\ln(0)) a_i")
 @given(EXPRESSIONS)
 def test_fuzz_expressions_no_false_positive(e):
     """Random well-formed expressions reach sympy; `e` and `e + 1` are never the same answer."""
