@@ -119,10 +119,29 @@ def test_trap_is_false(response, gold):
     ("He pays $20, and she pays 75 $.", "75"),  # `$20, and she pays 75 $` is currency around prose, not a math span
     (r"so \\boxed{\\sqrt{2}}", r"\sqrt{2}"),  # JSON encoded twice: every backslash doubled
     (r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),  # a row break is no doubled command
+    ("La réponse est (12 + 30 = 42).", "42"),  # parentheses around the answer; a computation after a cue gives its result
+    ("Réponse : il lui reste 150 $ à rembourser en 6 mois.", "150"),  # prose after a cue: a duration is the question's
+    ("Réponse : il aura tout remboursé en 6 mois.", "6"),  # ... unless it is the only value
+    ("答案：每人分到 (\\frac{3}{7}) 千克。", "\\frac{3}{7}"),  # a parenthesised value without words in prose
+    ("所以每人分到 \\frac{3}{7} 千克。", "\\frac{3}{7}"),  # no cue: a bare \frac is one value, not its denominator
+    ("答案是 5万。", "5万"), ("Ответ: 150 тысяч рублей.", "150 тысяч"),  # a scale word stays with its number
+    ("Answer $ \\frac{3}{4} \\$ = \\frac{5}{2} $", "\\frac{5}{2}"),  # `\$` does not close the span
+    ("(2,9)or(9,2)", "(2,9)or(9,2)"), ("(1, 2)", "(1, 2)"), ("\\sqrt{2}", "\\sqrt{2}"),  # a bare answer is read whole
+    ("Answer 42", "42"), ("x2y = 7", "7"),  # ... only without words and names (the last number otherwise)
     (None, None),
 ])
 def test_extract_answer(response, expected):
     assert verify.extract_answer(response) == expected
+
+
+def test_plural_cue_states_every_answer():
+    """A plural cue, with a copula or a colon, states all the answers: the list, never its last member."""
+    for response, listed in (("The answers are 3 and 5.", "3, 5"), ("So the two answers: 7 and 11", "7, 11"),
+                             ("Les réponses sont 2 et 9 ; on vérifie 4.", "2, 9")):
+        assert verify.verify(response, listed) is True, response
+        assert verify.verify(response, listed.split(", ")[-1]) is False, response
+    assert verify.extract_answer("The answers are 3 and 5.") == "3 and 5"
+    assert verify.extract_answer("So the two answers: 7 and 11") == "7 and 11"
 
 
 def test_strict_accepts_only_boxes():
@@ -138,6 +157,11 @@ def test_strict_accepts_only_boxes():
     ("025", "25", True), ("25", "025", True), ("x=5", "5", True), (r"\text{(C)}", "C", True),
     ("1,000", "1000", True), ("1, 000", "1000", False), ("y = 2x+1", "2x + 1 = y", True),
     ("x = 1, x = 2", "2,1", True), (r"\frac12", "50\\%", True), ("a = b", "b = a", True), ("x = 1", "y = 1", False),
+    ("(2,9)or(9,2)", "(9,2), (2,9)", True), ("(2,9)or(9,3)", "(9,2), (2,9)", False),  # alternatives glued to brackets
+    (r"b_{12} = 7, \quad b_2 = 3", "b_2 = 3, b_{12} = 7", True), (r"b_{12} = 3, \quad b_2 = 7", "b_2 = 3, b_{12} = 7", False),
+    (r"1, 2", r"x_1 = 1,\quadx_2 = 2", True), (r"2, 1", r"x_1 = 1,\quadx_2 = 2", False),  # a numbered gold keeps its order
+    (r"\sum_{i=1}^{n} a_i b_{n-i}", r"\sum_{k=1}^{n} b_{n-k} a_k", True),  # the index of a sum is a bound name
+    (r"\sum_{i=1}^{n} a_i b_{n-k}", r"\sum_{k=1}^{n} b_{n-k} a_k", False),
 ])
 def test_is_equiv(answer, gold, expected):
     assert verify.is_equiv(answer, gold) is expected
