@@ -261,9 +261,9 @@ def _prose_value(seg: str):
                                       and _DURATION_AFTER.match(seg, m.end()))]
     if not values:
         return None
-    m = (kept or values)[-1]
-    scale = re.match(r"\s*(?:[十百万萬亿億兆倍]|千(?![克米瓦])|[^\W\d_]+)", seg[m.end() :])  # `150 тысяч`, `5万`: never 150, 5
-    if scale and re.fullmatch(r"\s*(?:[十百千万萬亿億兆倍]|" + _COUNTS + "|" + _COUNTS_ABROAD + ")", scale.group(0), re.I):
+    m = (kept or values)[-1]  # a scale or percent word stays with its number: `150 тысяч`, `5万`, `35 por ciento`
+    scale = re.match(r"\s*(?:[十百万萬亿億兆倍]|千(?![克米瓦])|" + _PERCENT + r"|[^\W\d_]+)", seg[m.end() :], re.I)
+    if scale and re.fullmatch(r"\s*(?:[十百千万萬亿億兆倍]|" + _COUNTS + "|" + _COUNTS_ABROAD + "|" + _PERCENT + ")", scale.group(0), re.I):
         return m.group(0) + scale.group(0)
     return m.group(0)
 
@@ -370,11 +370,12 @@ _COUNTS_ABROAD = (r"(?i:(?:mil|mille|milles|mila|mill[oó]n(?:es)?|millions?|mil
                   r"sextos?|s[eé]ptimos?|octavos?|novenos?|d[eé]cimos?|cent[eé]simos?|mil[eé]simos?|\w+avos?|ter[çc]os?|mezzi?|"
                   r"terzi?|quarti?|sesti?|settimi?|ottavi?|noni?|decimi?|centesimi?|millesimi?|halbe[n]?|\w+tel|fois|veces|vezes|volte|"
                   r"mal|тысяч\w*|миллион\w*|миллиард\w*|сот\w*|десят\w*|дюжин\w*|половин\w*|трет\w*|четверт\w*|пят\w*|"
-                  r"шест\w*|седьм\w*|восьм\w*|девят\w*|раз|हज़ार|हजार|लाख|करोड़|सौ|ألف|آلاف|مليون|ملايين|مليار|مئة|مائة)$)")
+                  r"шест\w*|седьм\w*|восьм\w*|девят\w*|раз|हज़ार|हजार|लाख|करोड़|सौ|ألف|آلاف|مليون|ملايين|مليار|مئة|مائة)(?![^\W\d_]))")
 # A unit or counted object after a number, in any script (`12 Äpfel`, `150 рублей`, `42 दिन`); CJK counters
 # and units (`5 个`, `3 千克`, `7 円`), never a CJK scale (`5万` is 50000, `3 千` is 3000, `2倍` twice).
 _WORD_ABROAD = r"(?=[^\s]*[^\x00-\x7f])(?:[^\W\d_]|[\u0300-\u036f\u0900-\u097f\u0600-\u06ff]){3,}"
 _CJK_UNIT = r"(?![十百万萬亿億兆倍半만억천백십]|千(?![克米瓦])|分之)[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]+"
+_PERCENT = r"(?:percent|pct|prozent|pour ?cent|por ?ciento|per ?cento|por ?cento|процент\w*|प्रतिशत)"
 _SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
 _SCALED = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*(" + _UNITCMD + r"\s*\{\s*)?(hundred|thousand|million|billion|trillion)(?![a-zA-Z])")
 _SMALL = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
@@ -435,8 +436,6 @@ def _normalize(s: str) -> str:
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "%").replace("**", "^")
     s = re.sub(r"\\[()\[\]]", " ", s)  # math delimiters inside a box: `\boxed{4 \) and \( 5}`
     s = re.sub(r"[€£¥₹₽₩]|\\(?:euro|pounds|yen|textdollar|texteuro|textsterling|textyen)(?![a-zA-Z])", "", s)  # like `$`
-    s = re.sub(r"(?<=[\d}])\s*(?:percent|pct|prozent|pour ?cent|por ?ciento|per ?cento|por ?cento|процент\w*|प्रतिशत)"
-               r"(?![^\W\d_])", "%", s, flags=re.I)
     # Answers joined by words are solutions, separated like groups (`x = 1 \text{ or } x = 2`,
     # `x=1, y=2 \text{ or } x=2, y=1`, `6, 8, and 10`); see _parse.
     s = re.sub(r"\s*,?\s*(?:\\text\{\s*,?\s*(?:and|or)\s*\}|\\(?:lor|vee)(?![a-zA-Z]))\s*|\s*,?\s+(?:and|or|et|ou|und|oder|и|или)\s+"
@@ -448,9 +447,11 @@ def _normalize(s: str) -> str:
     prev = None
     while prev != s:
         prev = s
-        s = re.sub(r"^(.*?[^\s,])\s*" + _UNITCMD + r"\{(?!\s*" + _COUNTS + r")[^{}\d]*\}(?:\^\{?\d\}?)?\s*\.?$", r"\1", s)
+        s = re.sub(r"^(.*?[^\s,])\s*" + _UNITCMD + r"\{(?!\s*(?:" + _COUNTS + "|" + _COUNTS_ABROAD + "|" + _PERCENT + r"))[^{}\d]*\}"
+                   r"(?:\^\{?\d\}?)?\s*\.?$", r"\1", s)
     for _ in range(4):  # unwrap \text{...}: text is compared as text
         s = re.sub(_TEXTCMD + r"\s*\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"(?<=[\d}])\s*" + _PERCENT + r"(?![^\W\d_])", "%", s, flags=re.I)  # `5 percent`, `5 \text{ Prozent}`
     s = _number_words(s)
     s = re.sub(r"(?<=[\d}])\s*" + _UNITS + r"(?:\^\{?[23]\}?)?\s*\.?$", "", s)
     s = re.sub(r"^([-+]?[\d.]+)\s+(?!(?:sin|cos|tan|log|ln|exp|not|maybe|one|two|three|four|five|six|seven|eight|nine|"

@@ -162,6 +162,9 @@ def test_strict_accepts_only_boxes():
     (r"1, 2", r"x_1 = 1,\quadx_2 = 2", True), (r"2, 1", r"x_1 = 1,\quadx_2 = 2", False),  # a numbered gold keeps its order
     (r"\sum_{i=1}^{n} a_i b_{n-i}", r"\sum_{k=1}^{n} b_{n-k} a_k", True),  # the index of a sum is a bound name
     (r"\sum_{i=1}^{n} a_i b_{n-k}", r"\sum_{k=1}^{n} b_{n-k} a_k", False),
+    (r"\sum_{i=1}^{n} i^2", r"\sum_{k=1}^{n} k^2", True), (r"\sum_{i=1}^{n} i^2", r"\sum_{k=1}^{n} i^2", False),
+    ("3 和 5", "5, 3", True), ("3 或 5", "3", False), ("2 et 9", "9, 2", True), ("2 ou 9", "9", False),
+    (r"35 \text{ por ciento}", "0.35", True), (r"35 \text{ Prozent}", "0.36", False),
 ])
 def test_is_equiv(answer, gold, expected):
     assert verify.is_equiv(answer, gold) is expected
