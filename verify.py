@@ -262,8 +262,8 @@ def _prose_value(seg: str):
     if not values:
         return None
     m = (kept or values)[-1]  # a scale or percent word stays with its number: `150 тысяч`, `5万`, `35 por ciento`
-    scale = re.match(r"\s*(?:[十百万萬亿億兆倍]|千(?![克米瓦])|" + _PERCENT + r"|[^\W\d_]+)", seg[m.end() :], re.I)
-    if scale and re.fullmatch(r"\s*(?:[十百千万萬亿億兆倍]|" + _COUNTS + "|" + _COUNTS_ABROAD + "|" + _PERCENT + ")", scale.group(0), re.I):
+    scale = _SCALE_AFTER.match(seg, m.end())
+    if scale and _SCALE_WORD.fullmatch(scale.group(0)):
         return m.group(0) + scale.group(0)
     return m.group(0)
 
@@ -376,6 +376,16 @@ _COUNTS_ABROAD = (r"(?i:(?:mil|mille|milles|mila|mill[oó]n(?:es)?|millions?|mil
 _WORD_ABROAD = r"(?=[^\s]*[^\x00-\x7f])(?:[^\W\d_]|[\u0300-\u036f\u0900-\u097f\u0600-\u06ff]){3,}"
 _CJK_UNIT = r"(?![十百万萬亿億兆倍半만억천백십]|千(?![克米瓦])|分之)[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]+"
 _PERCENT = r"(?:percent|pct|prozent|pour ?cent|por ?ciento|per ?cento|por ?cento|процент\w*|प्रतिशत)"
+_PERCENT_WORD = re.compile(r"(?<=[\d}])\s*" + _PERCENT + r"(?![^\W\d_])", re.I)
+_UNIT_TEXT = re.compile(r"^(.*?[^\s,])\s*" + _UNITCMD + r"\{(?!\s*(?:" + _COUNTS + "|" + _COUNTS_ABROAD + "|" + _PERCENT + r"))[^{}\d]*\}"
+                        r"(?:\^\{?\d\}?)?\s*\.?$")
+_OBJECT = re.compile(r"^([-+]?[\d.]+)\s+(?!(?:sin|cos|tan|log|ln|exp|not|maybe|one|two|three|four|five|six|seven|eight|nine|"
+                     r"ten)\b|" + _COUNTS + r"|" + _COUNTS_ABROAD + r")[A-Za-z]{3,}$")
+_OBJECT_ABROAD = re.compile(r"^([-+]?\d+(?:\.\d+)?|\\frac\{\d+\}\{\d+\})\s*(?:(?<=\s)(?!" + _COUNTS_ABROAD + ")" + _WORD_ABROAD + "|"
+                            + _CJK_UNIT + r")$")
+# What may follow the value a clause of prose states and stays with it (`150 тысяч`, `5万`, `35 por ciento`).
+_SCALE_AFTER = re.compile(r"\s*(?:[十百万萬亿億兆倍]|千(?![克米瓦])|" + _PERCENT + r"|[^\W\d_]+)", re.I)
+_SCALE_WORD = re.compile(r"\s*(?:[十百千万萬亿億兆倍]|" + _COUNTS + "|" + _COUNTS_ABROAD + "|" + _PERCENT + ")", re.I)
 _SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
 _SCALED = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*(" + _UNITCMD + r"\s*\{\s*)?(hundred|thousand|million|billion|trillion)(?![a-zA-Z])")
 _SMALL = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
@@ -444,20 +454,17 @@ def _normalize(s: str) -> str:
     s = re.sub(r"\s*;[\s;]*", ";", s)  # `x = 1 \quad\text{and}\quad x = 2` is one separator
     s = _SCALED.sub(_scaled, s)  # `4 \text{ million}` is 4000000 (before units: a scale is not a unit)
     # Trailing units in \text{...} after a value: `5.4 \text{ cents}`, `15\mbox{ cm}^2`.
-    prev = None
-    while prev != s:
-        prev = s
-        s = re.sub(r"^(.*?[^\s,])\s*" + _UNITCMD + r"\{(?!\s*(?:" + _COUNTS + "|" + _COUNTS_ABROAD + "|" + _PERCENT + r"))[^{}\d]*\}"
-                   r"(?:\^\{?\d\}?)?\s*\.?$", r"\1", s)
+    m = ("\\text" in s or "\\mbox" in s) and _UNIT_TEXT.match(s)
+    while m:
+        s = m.group(1)
+        m = _UNIT_TEXT.match(s)
     for _ in range(4):  # unwrap \text{...}: text is compared as text
         s = re.sub(_TEXTCMD + r"\s*\{([^{}]*)\}", r"\1", s)
-    s = re.sub(r"(?<=[\d}])\s*" + _PERCENT + r"(?![^\W\d_])", "%", s, flags=re.I)  # `5 percent`, `5 \text{ Prozent}`
+    s = _PERCENT_WORD.sub("%", s)  # `5 percent`, `5 \text{ Prozent}`
     s = _number_words(s)
     s = re.sub(r"(?<=[\d}])\s*" + _UNITS + r"(?:\^\{?[23]\}?)?\s*\.?$", "", s)
-    s = re.sub(r"^([-+]?[\d.]+)\s+(?!(?:sin|cos|tan|log|ln|exp|not|maybe|one|two|three|four|five|six|seven|eight|nine|"
-               r"ten)\b|" + _COUNTS + r"|" + _COUNTS_ABROAD + r")[A-Za-z]{3,}$", r"\1", s)  # `8 apples`, not `2 thousandths`
-    s = re.sub(r"^([-+]?\d+(?:\.\d+)?|\\frac\{\d+\}\{\d+\})\s*(?:(?<=\s)(?!" + _COUNTS_ABROAD + ")" + _WORD_ABROAD + "|" + _CJK_UNIT + r")$",
-               r"\1", s)
+    m = s[:1] in "+-.0123456789\\" and (_OBJECT.match(s) if s.isascii() else _OBJECT_ABROAD.match(s))
+    s = m.group(1) if m else s  # `8 apples`, `12 Äpfel`, `3 千克`; not `2 thousandths`, `2 Drittel`, `5万`
     s = re.sub(r"\\mathbb\s*\{?R\}?|(?i:all real numbers)", r"(-\\infty,\\infty)", s)
     s = re.sub(r"\\le(?:qq|q|qslant)?(?![a-zA-Z])|<=", r"\\le ", s)  # ASCII `<=` as `\le`
     s = re.sub(r"\\ge(?:qq|q|qslant)?(?![a-zA-Z])|>=", r"\\ge ", s)
@@ -1535,7 +1542,9 @@ _CACHE: dict = {}
 def _undefined(x, sympy) -> bool:
     """Does `x` hold an undefined or infinite value (`\\ln 0` is zoo, `\\infty - \\infty` nan)? The
     limits of a sum or product may be infinite (`\\sum_{i=1}^{\\infty}`): a series, not a value."""
-    if x.has(sympy.zoo, sympy.nan):
+    if not x.has(sympy.zoo, sympy.nan, sympy.oo, -sympy.oo):
+        return False  # the common case, in one walk
+    if x.has(sympy.zoo, sympy.nan) or not x.has(sympy.Sum, sympy.Product):
         return True
     bodies = x.replace(lambda e: isinstance(e, (sympy.Sum, sympy.Product)), lambda e: e.function)
     return bodies.has(sympy.oo, -sympy.oo)
