@@ -20,8 +20,9 @@ How a comparison runs:
    response side by side, `\\boxed{1}, \\boxed{2}`, are read as one list; `verify` also lets
    a list gold be given box by box, see there), unless a final-answer statement follows it;
    without a box, and unless `strict=True`, "the final answer is ...", "answer: ...", "#### ..."
-   (and their French, Spanish, German, Russian, Chinese ... forms), then the last `$...$` span
-   or the last number, whichever comes later.
+   (and their French, Spanish, German, Russian, Chinese, Hindi, Arabic ... forms; a plural cue,
+   "the answers are 3 and 5", states the whole list), then a bare one-line answer, then the last
+   `$...$` span or the last value (a number, or a `\\frac` whole), whichever comes later.
 2. `is_equiv` normalises both strings (`\\left`, spacing, `\\dfrac`, `^\\circ`, `\\%`,
    `\\$`, units, thousands separators, scale words ...), splits structure in plain Python
    (lists, sets, tuples, intervals, unions, matrices and their sums and products, equations,
@@ -302,6 +303,14 @@ def extract_answer(response: str, strict: bool = False) -> str | None:
     no answer (a response that boxes is judged by its box alone). With `strict=True` only boxes
     count. Otherwise: the last answer cue ("the final answer is", "answer:", "####"), then the
     last `$...$` / `\\(...\\)` / `\\[...\\]` span or the last number, whichever is later.
+
+    Policies: a plural cue states every answer ("The answers are 3 and 5." is `3 and 5`, like "So
+    the two answers: 7 and 11"). In a clause of prose after a cue, a duration introduced by a
+    preposition (`en 6 mois`, `in 6 months`) restates the question and is skipped unless it is the
+    only value ("il lui reste 150 $ à rembourser en 6 mois" is 150); a scale or percent word stays
+    with its number (`5万`, `150 тысяч`). "So" / `所以` is no cue: the fallback reads that sentence.
+    A response that is one line of math without words (`(2,9)or(9,2)`) is read whole. An escaped
+    `\\$` neither opens nor closes a span.
     """
     return _extract(response, strict)[0]
 

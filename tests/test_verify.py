@@ -124,6 +124,7 @@ def test_trap_is_false(response, gold):
     ("Réponse : il aura tout remboursé en 6 mois.", "6"),  # ... unless it is the only value
     ("答案：每人分到 (\\frac{3}{7}) 千克。", "\\frac{3}{7}"),  # a parenthesised value without words in prose
     ("所以每人分到 \\frac{3}{7} 千克。", "\\frac{3}{7}"),  # no cue: a bare \frac is one value, not its denominator
+    ("所以 x = 2。因此 y = 2x = 4。", "4"),  # "so" / 所以 is no cue: the last value counts
     ("答案是 5万。", "5万"), ("Ответ: 150 тысяч рублей.", "150 тысяч"),  # a scale word stays with its number
     ("Answer $ \\frac{3}{4} \\$ = \\frac{5}{2} $", "\\frac{5}{2}"),  # `\$` does not close the span
     ("(2,9)or(9,2)", "(2,9)or(9,2)"), ("(1, 2)", "(1, 2)"), ("\\sqrt{2}", "\\sqrt{2}"),  # a bare answer is read whole
