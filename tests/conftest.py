@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # fresh randomness, tens of thousands of examples per property (tests/test_verify.py's fuzz tests):
 #     HYPOTHESIS_PROFILE=fuzz python -m pytest -q tests/test_verify.py    (or --hypothesis-profile=fuzz)
 settings.register_profile("ci", derandomize=True, database=None)
-settings.register_profile("fuzz", derandomize=False, database=None, max_examples=50_000, print_blob=True)
+settings.register_profile("fuzz", derandomize=False, database=None, print_blob=True,
+                          max_examples=int(os.environ.get("FUZZ_EXAMPLES", "50000")))  # per property
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SPECIALS = ["<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|unk|>"]
