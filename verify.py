@@ -20,8 +20,9 @@ How a comparison runs:
    response side by side, `\\boxed{1}, \\boxed{2}`, are read as one list; `verify` also lets
    a list gold be given box by box, see there), unless a final-answer statement follows it;
    without a box, and unless `strict=True`, "the final answer is ...", "answer: ...", "#### ..."
-   (and their French, Spanish, German, Russian, Chinese ... forms), then the last `$...$` span
-   or the last number, whichever comes later.
+   (and their French, Spanish, German, Russian, Chinese, Hindi, Arabic ... forms; a plural cue,
+   "the answers are 3 and 5", states the whole list), then a bare one-line answer, then the last
+   `$...$` span or the last value (a number, or a `\\frac` whole), whichever comes later.
 2. `is_equiv` normalises both strings (`\\left`, spacing, `\\dfrac`, `^\\circ`, `\\%`,
    `\\$`, units, thousands separators, scale words ...), splits structure in plain Python
    (lists, sets, tuples, intervals, unions, matrices and their sums and products, equations,
@@ -76,8 +77,11 @@ _BOX_GAP = re.compile(r"(?:\s|[,;&]|\$|\\[\[\]()]|\\q?quad|\\text\{\s*(?:and|or)
 # after the last box, only a final-answer cue states the answer that box was not (_stated_after_box).
 _FINAL = (r"final answer|réponse finale|respuesta final|resposta final|risposta finale|endantwort|endgültige antwort|"
           r"окончательный ответ|最终答案|最終答案|最終的な答え|최종 답")
-_ANSWER = r"(?:answer|réponse|respuesta|resposta|risposta)s?|antwort|antwoord|ответ|答案|答え|解答|答|정답|답"
-_COPULA = r"(?:is|est|es|é|è|ist|lautet|равен|равна|равно|будет)\b|是(?!否)|为|為|は|은|는|—|[:：=]"
+_ANSWER = (r"(?:answer|réponse|respuesta|resposta|risposta)s?|antwort|antwoord|ответ|відповідь|odpowiedź|cevap|jawaban(?:nya)?|"
+           r"đáp án|đáp số|उत्तर|الجواب|الإجابة|答案|答え|解答|答|정답|답")
+# A plural cue states every answer: "The answers are 3 and 5." is `3 and 5` (a list), as "the two answers: 7 and 11".
+_COPULA = (r"(?:is|are|est|sont|es|son|é|são|è|sono|ist|sind|lautet|равен|равна|равно|будет|هو|هي|là|adalah)\b|是(?!否)|为|為|は|은|는|—|"
+           r"[:：=]")
 _FINAL_NOUN = rf"(?:{_FINAL})(?:[*\s]*(?:{_COPULA})|[*# \t]*\n)"
 _FINAL_CUE = re.compile(_FINAL_NOUN + r"[*\s]*[:：]?", re.I)
 _CUE = re.compile(rf"(?:{_FINAL_NOUN}|(?:{_ANSWER})(?:\s+(?:correct[ae]?|corret[ao]|corrett[ao]))?[*\s]*(?:{_COPULA})"
@@ -87,10 +91,21 @@ _CONNECTIVE = re.compile(r"(?:(?:therefore|thus|hence|so|then|donc|alors|ainsi|e
                          r"dunque|also|daher|somit|итак|значит)\b[,\s]*)+", re.I)
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]")
 # Bounded spans: an unbounded lazy `.+?` rescans the rest of the text from every `\(`.
-_SPAN = re.compile(r"\$\$(.{1,1000}?)\$\$|\$([^$]{1,1000}?)\$|\\\((.{1,1000}?)\\\)|\\\[(.{1,1000}?)\\\]", re.S)
+# An escaped dollar `\$` neither opens nor closes a span (`$ \frac{3}{4} \$ = \frac{5}{2} $` is one span).
+_SPAN = re.compile(r"(?<!\\)\$\$(.{1,1000}?)(?<!\\)\$\$|(?<!\\)\$((?:\\.|[^$\\]){1,1000}?)\$|\\\((.{1,1000}?)\\\)|\\\[(.{1,1000}?)\\\]",
+                   re.S)
 # A number glued to a letter on its left is part of a word or a name (`AB2C`, `x2y`, `H2O`,
 # `a_2`), never a final answer; letters only on its right (`5cm`, `3rd`) are a unit or an ordinal.
 _NUMBER = re.compile(r"(?<![A-Za-z_\d])(?:-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+)")
+# A value in text outside math delimiters: a `\frac` is one value (not its denominator), else a number.
+_VALUE = re.compile(r"-?\\[dt]?frac(?:\{[^{}]{1,50}\}|\d)(?:\{[^{}]{1,50}\}|\d)|" + _NUMBER.pattern)
+# A duration introduced by a preposition (`en 6 mois`, `in 6 months`, `за 6 месяцев`, `在6个月内`) restates
+# the question's terms; after a cue in prose it is the answer only when no other value is there.
+_DURATION_BEFORE = re.compile(r"(?:\b(?:in|within|over|for|after|during|en|dans|sur|pendant|durant|durante|dentro de|"
+                              r"innerhalb von|nach|über|за|через|в течение)\s+|[在用花]\s*)$", re.I)
+_DURATION_AFTER = re.compile(r"\s*(?:(?:months?|days?|weeks?|years?|hours?|minutes?|mois|jours?|semaines?|ans|années?|heures?|"
+                             r"meses|días|dias|semanas|años|anos|horas|minutos|monaten?|tagen?|wochen?|jahren?|stunden?|"
+                             r"месяц\w*|дн\w*|недел\w*|год\w*|лет|час\w*|минут\w*)(?![^\W\d_])|个月|天|周|年|小时|分钟)", re.I)
 # A relation between a variable and the last number is the answer, not the number alone:
 # `y <= 7`, `t >= -3`, `n != 4`, `-2 <= x < 7` (a chain from a number through the variable).
 _RELATION_BEFORE = re.compile(r"(?:(?<![\w.])-?\d+(?:\.\d+)?\s*(?:<=|<|≤)\s*)?(?<![A-Za-z\\])[a-zA-Z](?:_\{?\w+\}?)?"
@@ -175,8 +190,8 @@ def _box_group(s: str):
 def _after_last_equals(x: str, chain: bool = False) -> str:
     """`\\frac12 \\cdot 10 = 5` -> `5`; keeps `x = 5` (an assignment), `... = 0` (an equation)
     and inequalities (`y <= 7` holds an `=` that is not an equals sign). With `chain`, only a
-    chain of equalities ending in a constant gives its last member (`3y = 2x = \\frac74`):
-    after an answer cue, `x + y = 5` is an equation."""
+    chain of equalities ending in a constant gives its last member (`3y = 2x = \\frac74`), or a
+    computation with numbers on the left (`12 + 30 = 42`): after an answer cue, `x + y = 5` is an equation."""
     bits = []
     for bit in _split_top(x, "="):  # the `=` of `<=`, `>=`, ` !=` belongs to the relation (`5!=120` is a factorial)
         if bits and re.search(r"[<>]$|\s!$", bits[-1]):
@@ -184,7 +199,8 @@ def _after_last_equals(x: str, chain: bool = False) -> str:
         else:
             bits.append(bit)
     if len(bits) > 1 and not _is_name(bits[0].strip()) and bits[-1].strip() not in ("0", ""):
-        if not chain or (len(bits) > 2 and _is_constant(bits[-1])):
+        computed = all(_is_constant(b) and re.search(r"\d", b) for b in bits[:-1])  # `12 + 30 = 42`: a sum worked out
+        if not chain or (len(bits) > 2 and _is_constant(bits[-1])) or computed:
             return bits[-1]
     return x
 
@@ -213,24 +229,52 @@ def _clean_cue(seg: str, prose: bool = True):
     """Turn the text after an answer cue into an answer: the first math span, else the
     clause up to the sentence end, reduced to what follows "is" (in any language) and cut
     where a comma, a semicolon or a parenthesis opens a word (`42, denn 6 · 7 = 42`, `12
-    (vérification : ...)`), else (if `prose`) the last number of a clause of prose."""
+    (vérification : ...)`), else (if `prose`) the value of a clause of prose (_prose_value).
+    Parentheses around the whole answer are dropped unless they hold a tuple: `(12 + 30 = 42)`."""
     seg = _CONNECTIVE.sub("", seg.strip(), count=1)
     span = _math_span(seg)
     if span is not None:
-        return span
-    seg = re.split(r"\.(?:\s|$)|。|\n| I hope", seg)[0]
-    seg = re.split(r"\b(?:is|est|es|é|è|ist|lautet)\b|是|为|為|は", seg)[-1].strip()
+        return _unparen(span)
+    seg = re.split(r"\.(?:\s|$)|。|।|\n| I hope", seg)[0]
+    seg = re.split(r"\b(?:is|are|est|sont|es|son|é|è|ist|sind|lautet)\b|是|为|為|は", seg)[-1].strip()
     seg = _CONNECTIVE.sub("", seg, count=1)
     span = _math_span(seg)
     if span is not None:
-        return span
+        return _unparen(span)
     head = re.split(r"(?:[,;]\s*|\s\()(?!(?:and|or|et|ou|und|oder|или)\b)(?=[^\W\d_]{2,})", seg)[0].strip()
     if head and not _prose(head):
-        return head
+        return _unparen(head)
     if _prose(seg):
-        nums = _NUMBER.findall(seg)
-        return nums[-1] if nums and prose else None
+        return _prose_value(seg) if prose else None
     return seg or None
+
+
+def _prose_value(seg: str):
+    """The answer a clause of prose after a cue states: its last parenthesised expression without
+    words (`每人分到 (\\frac{3}{7}) 千克`), else its last value (a `\\frac` whole, or a number), not
+    counting a duration the question set (`il lui reste 150 $ à rembourser en 6 mois` is 150) unless
+    it is the only value; None without one."""
+    groups = [g for g in re.findall(r"\(([^()]{1,200})\)", seg) if re.search(r"\d", g) and not _prose(g)]
+    if groups:
+        return groups[-1].strip()
+    values = list(_VALUE.finditer(seg))
+    kept = [m for m in values if not (_DURATION_BEFORE.search(seg[max(0, m.start() - 20) : m.start()])
+                                      and _DURATION_AFTER.match(seg, m.end()))]
+    if not values:
+        return None
+    m = (kept or values)[-1]  # a scale or percent word stays with its number: `150 тысяч`, `5万`, `35 por ciento`
+    scale = _SCALE_AFTER.match(seg, m.end())
+    if scale and _SCALE_WORD.fullmatch(scale.group(0)):
+        return m.group(0) + scale.group(0)
+    return m.group(0)
+
+
+def _unparen(x: str) -> str:
+    """`(12 + 30 = 42)` -> `12 + 30 = 42`; a tuple or an interval (`(3, 4)`) keeps its brackets."""
+    x = x.strip()
+    if x[:1] == "(" and x[-1:] == ")" and _wrapped(x) and len(_split_top(x[1:-1], ",")) == 1:
+        return x[1:-1].strip()
+    return x
 
 
 def _stated_after_box(s: str):
@@ -259,6 +303,14 @@ def extract_answer(response: str, strict: bool = False) -> str | None:
     no answer (a response that boxes is judged by its box alone). With `strict=True` only boxes
     count. Otherwise: the last answer cue ("the final answer is", "answer:", "####"), then the
     last `$...$` / `\\(...\\)` / `\\[...\\]` span or the last number, whichever is later.
+
+    Policies: a plural cue states every answer ("The answers are 3 and 5." is `3 and 5`, like "So
+    the two answers: 7 and 11"). In a clause of prose after a cue, a duration introduced by a
+    preposition (`en 6 mois`, `in 6 months`) restates the question and is skipped unless it is the
+    only value ("il lui reste 150 $ à rembourser en 6 mois" is 150); a scale or percent word stays
+    with its number (`5万`, `150 тысяч`). "So" / `所以` is no cue: the fallback reads that sentence.
+    A response that is one line of math without words (`(2,9)or(9,2)`) is read whole. An escaped
+    `\\$` neither opens nor closes a span.
     """
     return _extract(response, strict)[0]
 
@@ -287,8 +339,12 @@ def _unboxed(s: str):
         ans = _clean_cue(s[cues[-1].end() : cues[-1].end() + 400])
         if ans and ans.strip():
             return _after_last_equals(ans, chain=True).strip()
+    bare = s.strip()  # a bare answer, one line of math without words: `(2,9)or(9,2)`, `\frac{1}{2}`, `x = 5`
+    if (len(bare) <= 200 and re.search(r"\d", bare) and not re.search(r"[\n$]|\\[(\[]|[^\x00-\x7f−×·÷√π≤≥≠∪±∞°]", bare)
+            and not re.search(r"[A-Za-z]{3,}", re.sub(r"\\[a-zA-Z]+", " ", bare))):
+        return _after_last_equals(re.sub(r"(?<!\.)\.$", "", bare)).strip() or None
     spans = [m for m in _SPAN.finditer(s) if not _currency_prose(next(g for g in m.groups() if g is not None))]
-    nums = list(_NUMBER.finditer(s))
+    nums = list(_VALUE.finditer(s))  # `所以每人分到 \frac{3}{7} 千克` ends in 3/7, not 7
     if spans and (not nums or spans[-1].end() >= nums[-1].end()):
         text = next(g for g in spans[-1].groups() if g is not None).strip().rstrip(".,")
         return _after_last_equals(text).strip() or None
@@ -316,6 +372,29 @@ _UNITCMD = r"\\(?:text|textbf|textit|textrm|textnormal|mbox)"
 # Words that count or scale, never units: `2 \text{ thousandths}` is not 2.
 _COUNTS = (r"(?:hundred|thousand|million|billion|trillion|dozen|halves|thirds|quarters|fourths|fifths|sixths|sevenths|"
            r"eighths|ninths|tenths)(?:th|ths|s)?\b")
+# ... in the other languages of the answer cues: never dropped as a unit or counted object either.
+_COUNTS_ABROAD = (r"(?i:(?:mil|mille|milles|mila|mill[oó]n(?:es)?|millions?|millionen|milione|milioni|milh[ãa]o|milh[õo]es|milhares?|"
+                  r"milliards?|milliarden?|miliardo|miliardi|hundert|tausend|cent|centaines?|dizaines?|douzaines?|docenas?|"
+                  r"dutzend|dozzin[ae]|centenas?|decenas?|demis?|tiers|quarts?|\w+i[eè]mes?|medios?|tercios?|cuartos?|quintos?|"
+                  r"sextos?|s[eé]ptimos?|octavos?|novenos?|d[eé]cimos?|cent[eé]simos?|mil[eé]simos?|\w+avos?|ter[çc]os?|mezzi?|"
+                  r"terzi?|quarti?|sesti?|settimi?|ottavi?|noni?|decimi?|centesimi?|millesimi?|halbe[n]?|\w+tel|fois|veces|vezes|volte|"
+                  r"mal|тысяч\w*|миллион\w*|миллиард\w*|сот\w*|десят\w*|дюжин\w*|половин\w*|трет\w*|четверт\w*|пят\w*|"
+                  r"шест\w*|седьм\w*|восьм\w*|девят\w*|раз|हज़ार|हजार|लाख|करोड़|सौ|ألف|آلاف|مليون|ملايين|مليار|مئة|مائة)(?![^\W\d_]))")
+# A unit or counted object after a number, in any script (`12 Äpfel`, `150 рублей`, `42 दिन`); CJK counters
+# and units (`5 个`, `3 千克`, `7 円`), never a CJK scale (`5万` is 50000, `3 千` is 3000, `2倍` twice).
+_WORD_ABROAD = r"(?=[^\s]*[^\x00-\x7f])(?:[^\W\d_]|[\u0300-\u036f\u0900-\u097f\u0600-\u06ff]){3,}"
+_CJK_UNIT = r"(?![十百万萬亿億兆倍半만억천백십]|千(?![克米瓦])|分之)[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]+"
+_PERCENT = r"(?:percent|pct|prozent|pour ?cent|por ?ciento|per ?cento|por ?cento|процент\w*|प्रतिशत)"
+_PERCENT_WORD = re.compile(r"(?<=[\d}])\s*" + _PERCENT + r"(?![^\W\d_])", re.I)
+_UNIT_TEXT = re.compile(r"^(.*?[^\s,])\s*" + _UNITCMD + r"\{(?!\s*(?:" + _COUNTS + "|" + _COUNTS_ABROAD + "|" + _PERCENT + r"))[^{}\d]*\}"
+                        r"(?:\^\{?\d\}?)?\s*\.?$")
+_OBJECT = re.compile(r"^([-+]?[\d.]+)\s+(?!(?:sin|cos|tan|log|ln|exp|not|maybe|one|two|three|four|five|six|seven|eight|nine|"
+                     r"ten)\b|" + _COUNTS + r"|" + _COUNTS_ABROAD + r")[A-Za-z]{3,}$")
+_OBJECT_ABROAD = re.compile(r"^([-+]?\d+(?:\.\d+)?|\\frac\{\d+\}\{\d+\})\s*(?:(?<=\s)(?!" + _COUNTS_ABROAD + ")" + _WORD_ABROAD + "|"
+                            + _CJK_UNIT + r")$")
+# What may follow the value a clause of prose states and stays with it (`150 тысяч`, `5万`, `35 por ciento`).
+_SCALE_AFTER = re.compile(r"\s*(?:[十百万萬亿億兆倍]|千(?![克米瓦])|" + _PERCENT + r"|[^\W\d_]+)", re.I)
+_SCALE_WORD = re.compile(r"\s*(?:[十百千万萬亿億兆倍]|" + _COUNTS + "|" + _COUNTS_ABROAD + "|" + _PERCENT + ")", re.I)
 _SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
 _SCALED = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*(" + _UNITCMD + r"\s*\{\s*)?(hundred|thousand|million|billion|trillion)(?![a-zA-Z])")
 _SMALL = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
@@ -367,31 +446,34 @@ def _normalize(s: str) -> str:
     s = re.sub(r"(\d)\s*(?:\{\s*,\s*\}|,\s*\\!\s*|\\,)\s*(?=\d{3}(?!\d))", r"\1", s)
     s = re.sub(r"\\(?:left\.|right\.|displaystyle|textstyle|!|(?:no)?limits(?![a-zA-Z]))", "", s)
     s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])", "", s)
-    s = re.sub(r"\s*\\q?quad\s*(?=[a-zA-Z](?:_\{?\w+\}?)?\s*=)", ";", s)  # `x = 2 \quad x = 1`: two answers
+    s = re.sub(r"\s*,?\s*\\q?quad\s*(?=[a-zA-Z](?:_\{?\w+\}?)?\s*=)", ";", s)  # `x = 2, \quad x = 1`: two answers
     s = re.sub(r"\\[,:; ]|\\q?quad(?![a-zA-Z])|~", " ", s)
     s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
     s = re.sub(r"\\[dt]binom(?![a-zA-Z])", r"\\binom", s)
     s = re.sub(r"\\colon(?![a-zA-Z])|\\mathbin\{:\}|\\ratio(?![a-zA-Z])", ":", s)
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])", "", s)
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "%").replace("**", "^")
+    s = re.sub(r"\\[()\[\]]", " ", s)  # math delimiters inside a box: `\boxed{4 \) and \( 5}`
     s = re.sub(r"[€£¥₹₽₩]|\\(?:euro|pounds|yen|textdollar|texteuro|textsterling|textyen)(?![a-zA-Z])", "", s)  # like `$`
-    s = re.sub(r"(?<=[\d}])\s*(?:percent|pct)\b", "%", s)
     # Answers joined by words are solutions, separated like groups (`x = 1 \text{ or } x = 2`,
     # `x=1, y=2 \text{ or } x=2, y=1`, `6, 8, and 10`); see _parse.
-    s = re.sub(r"\s*,?\s*(?:\\text\{\s*,?\s*(?:and|or)\s*\}|\\(?:lor|vee)(?![a-zA-Z]))\s*|\s*,?\s+(?:and|or)\s+", ";", s)
+    s = re.sub(r"\s*,?\s*(?:\\text\{\s*,?\s*(?:and|or)\s*\}|\\(?:lor|vee)(?![a-zA-Z]))\s*|\s*,?\s+(?:and|or|et|ou|und|oder|и|или)\s+"
+               r"|(?<=[)\]])\s*(?:and|or)\s*(?=[(\[])|(?<=[\d)\]}])\s*(?:和|或者|或|と|또는)\s*(?=[-\d(\[\\])", ";", s)
+    # ... also glued between tuples (`(2,9)or(9,2)`) and in the other languages of the cues (`2 et 9`, `3 和 5`)
     s = re.sub(r"\s*;[\s;]*", ";", s)  # `x = 1 \quad\text{and}\quad x = 2` is one separator
     s = _SCALED.sub(_scaled, s)  # `4 \text{ million}` is 4000000 (before units: a scale is not a unit)
     # Trailing units in \text{...} after a value: `5.4 \text{ cents}`, `15\mbox{ cm}^2`.
-    prev = None
-    while prev != s:
-        prev = s
-        s = re.sub(r"^(.*?[^\s,])\s*" + _UNITCMD + r"\{(?!\s*" + _COUNTS + r")[^{}\d]*\}(?:\^\{?\d\}?)?\s*\.?$", r"\1", s)
+    m = ("\\text" in s or "\\mbox" in s) and _UNIT_TEXT.match(s)
+    while m:
+        s = m.group(1)
+        m = _UNIT_TEXT.match(s)
     for _ in range(4):  # unwrap \text{...}: text is compared as text
         s = re.sub(_TEXTCMD + r"\s*\{([^{}]*)\}", r"\1", s)
+    s = _PERCENT_WORD.sub("%", s)  # `5 percent`, `5 \text{ Prozent}`
     s = _number_words(s)
     s = re.sub(r"(?<=[\d}])\s*" + _UNITS + r"(?:\^\{?[23]\}?)?\s*\.?$", "", s)
-    s = re.sub(r"^([-+]?[\d.]+)\s+(?!(?:sin|cos|tan|log|ln|exp|not|maybe|one|two|three|four|five|six|seven|eight|nine|"
-               r"ten)\b|" + _COUNTS + r")[A-Za-z]{3,}$", r"\1", s)  # `8 apples`, not `2 thousandths`
+    m = s[:1] in "+-.0123456789\\" and (_OBJECT.match(s) if s.isascii() else _OBJECT_ABROAD.match(s))
+    s = m.group(1) if m else s  # `8 apples`, `12 Äpfel`, `3 千克`; not `2 thousandths`, `2 Drittel`, `5万`
     s = re.sub(r"\\mathbb\s*\{?R\}?|(?i:all real numbers)", r"(-\\infty,\\infty)", s)
     s = re.sub(r"\\le(?:qq|q|qslant)?(?![a-zA-Z])|<=", r"\\le ", s)  # ASCII `<=` as `\le`
     s = re.sub(r"\\ge(?:qq|q|qslant)?(?![a-zA-Z])|>=", r"\\ge ", s)
@@ -1012,7 +1094,9 @@ def _tex_number(p: _Tex, tok: str):
 
 
 def _tex_letter(p: _Tex, name: str):
-    """A variable, with a subscript (`a_1`, `b_{i+1}`) as part of its name; `e` and `i` are constants."""
+    """A variable, with a subscript (`a_1`, `b_{i+1}`) as part of its name; `e` and `i` are constants.
+    The index of a sum or product being read is named by its depth, in the subscripts too, so that
+    renaming it changes nothing (`\\sum_{i=1}^{m} a_{m-i} a_i` = `\\sum_{j=1}^{m} a_j a_{m-j}`)."""
     if p.peek() == "_":
         p.take()
         sub = p.take()
@@ -1023,12 +1107,20 @@ def _tex_letter(p: _Tex, name: str):
             p.take("}")
         if not re.fullmatch(r"[A-Za-z0-9+\-]{1,12}", sub):
             raise _Refuse("subscript")
+        sub = re.sub(r"[A-Za-z]", lambda m: _bound_name(p, m.group(0)), sub)
         return (f"Symbol('{name}_{sub}')", None, None)
-    if name == "e" and name not in p.bound:
+    if name in p.bound:
+        return (f"Symbol('{_bound_name(p, name)}')", None, None)
+    if name == "e":
         return ("E", 1, math.e)
-    if name == "i" and name not in p.bound:
+    if name == "i":
         return ("I", None, None)
     return (f"Symbol('{name}')", None, None)
+
+
+def _bound_name(p: _Tex, name: str) -> str:
+    """`#k` for the index of the k-th enclosing sum or product (the innermost one that binds `name`)."""
+    return f"#{len(p.bound) - 1 - p.bound[::-1].index(name)}" if name in p.bound else name
 
 
 def _tex_frac(p: _Tex, _name: str):
@@ -1093,9 +1185,10 @@ def _tex_bigop(p: _Tex, name: str):
     p.take("^")
     hi = p.group() if p.peek() == "{" else p.single()
     p.bound.append(var)
+    index = _bound_name(p, var)
     body = p.term()  # `\\prod a_i \\cdot b_i` multiplies inside; `+` ends the body
     p.bound.pop()
-    return (f"{'Sum' if name == 'sum' else 'Product'}({body[0]},(Symbol('{var}'),{lo[0]},{hi[0]}))", None, None)
+    return (f"{'Sum' if name == 'sum' else 'Product'}({body[0]},(Symbol('{index}'),{lo[0]},{hi[0]}))", None, None)
 
 
 _TEX_COMMANDS = {"frac": _tex_frac, "sqrt": _tex_sqrt, "binom": _tex_binom, "pi": _tex_constant, "infty": _tex_constant,
@@ -1455,6 +1548,17 @@ _LOCK = threading.Lock()
 _CACHE: dict = {}
 
 
+def _undefined(x, sympy) -> bool:
+    """Does `x` hold an undefined or infinite value (`\\ln 0` is zoo, `\\infty - \\infty` nan)? The
+    limits of a sum or product may be infinite (`\\sum_{i=1}^{\\infty}`): a series, not a value."""
+    if not x.has(sympy.zoo, sympy.nan, sympy.oo, -sympy.oo):
+        return False  # the common case, in one walk
+    if x.has(sympy.zoo, sympy.nan) or not x.has(sympy.Sum, sympy.Product):
+        return True
+    bodies = x.replace(lambda e: isinstance(e, (sympy.Sum, sympy.Product)), lambda e: e.function)
+    return bodies.has(sympy.oo, -sympy.oo)
+
+
 def _worker_compare(mode: str, ca: str, cb: str, approx: bool, ns: dict) -> bool:
     """Runs in the worker. `expr`: the same value; `eq` / `rel`: a = c*b for a constant c != 0
     (c > 0 for inequalities), i.e. the same equation / inequality.
@@ -1466,12 +1570,13 @@ def _worker_compare(mode: str, ca: str, cb: str, approx: bool, ns: dict) -> bool
     import sympy
 
     a, b = eval(ca, ns), eval(cb, ns)  # noqa: S307 - code comes from _Tex, never from the input
+    if any(_undefined(x, sympy) for x in (a, b)):
+        # Before any branch compares: `zoo + S + 1` is `zoo + S` to sympy (`\frac{1}{0} + 1` absorbs the 1).
+        return False  # undefined or infinite (`\ln 0 + 1`): equal to nothing (`\infty` matches as a string)
     if any(x.has(sympy.Sum, sympy.Product) for x in (a, b)):
         # Over names like `a_i` a sum or product is known only as written: sympy's canonical
         # order of terms and factors, never evaluated (`\sum_{i=1}^n a_i` would "be" `n a_i`).
-        return mode == "expr" and (a == b or a - b == 0)
-    if any(x.has(sympy.oo, -sympy.oo, sympy.zoo, sympy.nan) for x in (a, b)):
-        return False  # undefined or infinite (`\ln 0 + 1`): equal to nothing (`\infty` matches as a string)
+        return mode == "expr" and a == b
     if mode == "expr" and (a == b or a - b == 0):
         return True
     syms = sorted(a.free_symbols | b.free_symbols, key=str)

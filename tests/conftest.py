@@ -5,8 +5,18 @@ import sys
 import warnings
 
 import pytest
+from hypothesis import settings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Property tests draw the same examples on every default run (derandomized: seeded by each test's own
+# source; no example database), so red means a change broke something. The fuzz run searches hard with
+# fresh randomness, tens of thousands of examples per property (tests/test_verify.py's fuzz tests):
+#     HYPOTHESIS_PROFILE=fuzz python -m pytest -q tests/test_verify.py    (or --hypothesis-profile=fuzz)
+settings.register_profile("ci", derandomize=True, database=None)
+settings.register_profile("fuzz", derandomize=False, database=None, print_blob=True,
+                          max_examples=int(os.environ.get("FUZZ_EXAMPLES", "50000")))  # per property
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SPECIALS = ["<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|unk|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
