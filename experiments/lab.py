@@ -18,7 +18,8 @@ tokenizer); sft_log.jsonl (the loss and the validation pass@1 at each check); ev
 the base model on the test split); lab.json (the build's settings, the stop, the time and the base pass@k).
 
 The stopping rule reads the validation split only: every --check-every SFT steps, pass@1 at T = 1.0 on
---check-problems validation problems x --check-n samples; SFT stops at the first check at or above --stop-at.
+--check-problems validation problems x --check-n samples; SFT stops at the first check at or above --target and
+keeps the weights of that check or of the one before, whichever is closer to --target.
 The test split chooses nothing; its pass@1, pass@8 and pass@64 are the last line printed.
 """
 import argparse
@@ -176,14 +177,16 @@ def sample_pass1(model, tokenizer, problems, n, max_new_tokens, seed):
 
 
 def sft(model, tokenizer, rows, val, args, log):
-    """AdamW on the solutions' next-token loss, batches drawn by a seeded generator; every args.check_every
-    steps the validation pass@1 (sample_pass1) decides: stop at the first check >= args.stop_at. Returns
-    (steps run, the last check's pass@1)."""
+    """AdamW on the solutions' next-token loss, batches drawn by a seeded generator. Every args.check_every steps
+    the validation pass@1 (sample_pass1) is measured; SFT ends at the first check at or above args.target, and
+    the weights kept are those of that check or of the one before, whichever is closer to args.target (SFT's
+    pass@1 climbs steeply here: from 0.19 to 0.46 in 50 steps, seed 0). Returns (the kept check's step, its
+    validation pass@1)."""
     ids, labels, attention = encode_sft(tokenizer, rows)  # (N, L) each
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
     gen = torch.Generator().manual_seed(args.seed)
     check_rows = val[:args.check_problems]
-    val_pass1, t0 = 0.0, time.time()
+    kept, t0 = (0, 0.0, None), time.time()  # (step, validation pass@1, weights) of the last check
     for step in range(1, args.max_sft_steps + 1):
         # lr: linear warm-up over the first 100 steps, then constant
         for g in opt.param_groups:
@@ -204,10 +207,15 @@ def sft(model, tokenizer, rows, val, args, log):
             log.flush()
             print(f"[sft] step {step:5d} | loss {row['loss']:.4f} | val pass@1 {val_pass1:.3f} | "
                   f"{row['time']:.0f}s", file=sys.stderr, flush=True)
-            if val_pass1 >= args.stop_at:
-                break
-    model.eval()
-    return step, val_pass1
+            if val_pass1 >= args.target:
+                if kept[2] is not None and abs(kept[1] - args.target) < abs(val_pass1 - args.target):
+                    model.load_state_dict(kept[2])
+                    print(f"[sft] kept step {kept[0]} (val pass@1 {kept[1]:.3f}, closer to {args.target})",
+                          file=sys.stderr)
+                    return kept[0], kept[1]
+                return step, val_pass1
+            kept = (step, val_pass1, {k: v.clone() for k, v in model.state_dict().items()})
+    return step, kept[1]
 
 
 def weights_sha(model):
@@ -237,12 +245,12 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--sft-lr", type=float, default=1e-3, help="AdamW lr of SFT (after 100 warm-up steps)")
     p.add_argument("--sft-batch", type=int, default=64, help="solutions per SFT step")
-    p.add_argument("--max-sft-steps", type=int, default=4000, help="SFT stops here if no check reached --stop-at")
-    p.add_argument("--check-every", type=int, default=100, help="SFT steps between two validation checks")
+    p.add_argument("--max-sft-steps", type=int, default=4000, help="SFT stops here if no check reached --target")
+    p.add_argument("--check-every", type=int, default=20, help="SFT steps between two validation checks")
     p.add_argument("--check-problems", type=int, default=100, help="validation problems per check")
-    p.add_argument("--check-n", type=int, default=8, help="samples per problem per check")
-    p.add_argument("--stop-at", type=float, default=0.3, help="SFT stops at the first check with validation "
-                   "pass@1 at or above this")
+    p.add_argument("--check-n", type=int, default=4, help="samples per problem per check")
+    p.add_argument("--target", type=float, default=0.3, help="SFT stops at the first check with validation "
+                   "pass@1 at or above this, and keeps that check's weights or the previous check's, the closer")
     p.add_argument("--max-new-tokens", type=int, default=32, help="response length limit of every sample")
     p.add_argument("--eval-n", type=int, default=64, help="samples per test problem for the base model's pass@k")
     return p.parse_args(argv)
@@ -259,8 +267,8 @@ def check_args(args):
         raise LabError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     if not args.sft_lr > 0:
         raise LabError(f"--sft-lr must be > 0, got {args.sft_lr}")
-    if not 0 < args.stop_at <= 1:
-        raise LabError(f"--stop-at must be in (0, 1], got {args.stop_at}")
+    if not 0 < args.target <= 1:
+        raise LabError(f"--target must be in (0, 1], got {args.target}")
 
 
 def build(args):

@@ -684,6 +684,24 @@ def lab_summary(runs_root, prompts=32, last=10):
             "wall_s": round(sum(r["wall_s"] for rs in groups.values() for r in rs), 1)}
 
 
+def lab_scan(runs_root):
+    """The learning-rate scan from the result files in runs_root/val-p*-lr*/: {"pass@1": {method: {lr: [validation
+    pass@1 per seed]}}, "choice": {method: the lr of the highest mean}} (ties: the smaller lr)."""
+    table = {}
+    for d in sorted(os.listdir(runs_root)) if os.path.isdir(runs_root) else []:
+        if d.startswith("val-p") and os.path.isdir(os.path.join(runs_root, d)):
+            for fname in sorted(os.listdir(os.path.join(runs_root, d))):
+                if fname.endswith(".json"):
+                    r = read_result(os.path.join(runs_root, d, fname))
+                    table.setdefault(r["method"], {}).setdefault(r["settings"]["lr"], []).append(
+                        next(iter(r["eval"].values()))["1"])
+    if not table:
+        raise SweepError(f"no scan result under {runs_root}/val-p*-lr*/")
+    choice = {m: max(sorted(by_lr), key=lambda lr: float(np.mean(by_lr[lr]))) for m, by_lr in table.items()}
+    return {"pass@1": {m: {str(lr): v for lr, v in sorted(by_lr.items())} for m, by_lr in table.items()},
+            "choice": choice}
+
+
 def summarize(args):
     runs, missing = collect(args)
     if not runs:
@@ -741,6 +759,8 @@ def parse_args(argv=None):
                    "the lab's defaults for every flag left unset (LAB_PRESET)")
     p.add_argument("--summary-json", default="", help="also write the lab's summary (lab_summary) of the result "
                    "files beside --results (every test-p*/ dir) to this path, e.g. docs/lab/summary.json")
+    p.add_argument("--scan-json", default="", help="write the learning-rate scan (lab_scan) of the result files "
+                   "beside --results (every val-p*-lr*/ dir) to this path and print it, e.g. docs/lab/scan.json")
     p.add_argument("--split", default="test", choices=["test", "val"], help="with --lab: the held-out split "
                    "(val for the learning-rate scan; the test split chooses nothing)")
     first, _ = p.parse_known_args(argv)
@@ -787,6 +807,14 @@ def main(argv=None):
                     print(" ".join(shlex.quote(c) for c in train_command(args, method, seed)))
                     print(" ".join(shlex.quote(c) for c in eval_command(args, "<final checkpoint>",
                                                                         eval_dir(args, method, seed))))
+            return
+        if args.scan_json:  # the scan's table and choice only: nothing is trained
+            scan = lab_scan(os.path.dirname(args.results))
+            with open(args.scan_json, "w") as f:
+                json.dump(scan, f, indent=1)
+            for m, by_lr in scan["pass@1"].items():
+                print(f"{m}: " + ", ".join(f"lr {lr}: {np.mean(v):.3f} ({len(v)} seeds)" for lr, v in by_lr.items())
+                      + f" -> {scan['choice'][m]:g}")
             return
         if not args.plot_only:
             check_sweep_file(args)

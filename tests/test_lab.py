@@ -8,6 +8,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
@@ -130,7 +131,7 @@ def test_toy_build_writes_the_lab(toy_lab, capsys):
         saved = json.load(f)
     assert saved["weights_sha256"] == summary["weights_sha256"] and len(saved["test_pass@k"]) == 4
     with open(os.path.join(out, "sft_log.jsonl")) as f:
-        assert [json.loads(line)["step"] for line in f] == [3, 6]  # --stop-at is out of reach: every check ran
+        assert [json.loads(line)["step"] for line in f] == [3, 6]  # --target is out of reach: every check ran
 
 
 def test_toy_build_prints_base_pass_at_k_last(tmp_path, capsys):
@@ -148,6 +149,31 @@ def test_toy_build_is_deterministic_for_a_seed(toy_lab, tmp_path):
     assert other["weights_sha256"] != summary["weights_sha256"]
 
 
+@pytest.mark.parametrize("checks, kept", [([0.1, 0.2, 0.45, 0.5], 2), ([0.1, 0.26, 0.33, 0.5], 3), ([0.1, 0.28, 0.33, 0.5], 2),
+                                          ([0.35, 0.5], 1)])
+def test_sft_keeps_the_check_closest_to_the_target(monkeypatch, checks, kept):
+    """SFT ends at the first check >= --target (0.3) and keeps that check's weights or the previous one's."""
+    splits = lab.make_splits(0, {"sft": 32, "train": 1, "val": 4, "test": 1})
+    args = lab.parse_args(["--out", "unused", *TOY, "--check-every", "2", "--max-sft-steps", "20"])
+    tok = lab.make_tokenizer()
+    model = lab.make_model(tok, 32, 1, 2, 0)
+    script, weights = iter(checks), {}
+
+    def fake_pass1(model, *_):
+        weights[len(weights) + 1] = {k: v.clone() for k, v in model.state_dict().items()}
+        return next(script)
+
+    monkeypatch.setattr(lab, "sample_pass1", fake_pass1)
+    import io
+    log = io.StringIO()
+    step, val = lab.sft(model, tok, splits["sft"], splits["val"], args, log)
+    assert (step, val) == (2 * kept, checks[kept - 1])
+    assert len(log.getvalue().splitlines()) == len(weights) == min(len(checks), next(
+        i + 1 for i, v in enumerate(checks) if v >= 0.3))  # no check after the first at the target
+    state = model.state_dict()
+    assert all(torch.equal(state[k], weights[kept][k]) for k in state)
+
+
 def test_pacs_trains_on_the_toy_lab(toy_lab, tmp_path):
     out, _ = toy_lab
     run = tmp_path / "run"
@@ -163,7 +189,7 @@ def test_pacs_trains_on_the_toy_lab(toy_lab, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--hidden", "30", "--heads", "4"], "--hidden 30 is not divisible by --heads 4"),
     (["--eval-n", "0"], "--eval-n must be at least 1"),
-    (["--stop-at", "1.5"], "--stop-at must be in (0, 1]"),
+    (["--target", "1.5"], "--target must be in (0, 1]"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, flags, message):
     with pytest.raises(SystemExit) as e:

@@ -389,6 +389,30 @@ def test_lab_summary_follows_the_schema(tmp_path, monkeypatch):
         trend.lab_summary(str(runs), prompts=32)
 
 
+def test_lab_scan_picks_each_methods_best_mean_validation_pass1(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    val = {("pacs", 1e-5): [0.30, 0.40], ("pacs", 3e-5): [0.45, 0.33], ("pacs", 1e-4): [0.10, 0.20],
+           ("grpo", 1e-5): [0.35, 0.35], ("grpo", 3e-5): [0.30, 0.40]}  # grpo: a tie, the smaller lr wins
+    for (method, lr), values in val.items():
+        (runs / f"val-p32-lr{lr:g}").mkdir(parents=True, exist_ok=True)
+        for seed, v in zip((1000, 1001), values):
+            (runs / f"val-p32-lr{lr:g}" / f"{method}-s{seed}.json").write_text(json.dumps(
+                {"method": method, "seed": seed, "settings": {"lr": lr}, "eval": {"val": {"1": v}}}))
+    (runs / "test-p32").mkdir()  # the test split's runs are never read by the scan
+    (runs / "test-p32" / "pacs-s0.json").write_text(json.dumps(
+        {"method": "pacs", "seed": 0, "settings": {"lr": 1e-4}, "eval": {"test": {"1": 0.99}}}))
+    scan = trend.lab_scan(str(runs))
+    assert scan["choice"] == {"pacs": 3e-5, "grpo": 1e-5}
+    assert scan["pass@1"]["pacs"]["0.0001"] == [0.10, 0.20] and len(scan["pass@1"]["pacs"]) == 3
+    trend.main(["--lab", _fake_lab(tmp_path / "lab"), "--split", "val", "--results", str(runs / "val-p32-lr1e-05"),
+                "--scan-json", str(tmp_path / "scan.json")])
+    assert json.load(open(tmp_path / "scan.json")) == json.loads(json.dumps(scan))
+    assert "pacs: lr 1e-05: 0.350 (2 seeds), lr 3e-05: 0.390 (2 seeds), lr 0.0001: 0.150 (2 seeds) -> 3e-05" \
+        in capsys.readouterr().out
+    with pytest.raises(trend.SweepError, match="no scan result"):
+        trend.lab_scan(str(tmp_path / "nothing"))
+
+
 def test_the_committed_lab_summary_follows_the_schema():
     path = os.path.join(trend.ROOT, "docs", "lab", "summary.json")
     if not os.path.isfile(path):
