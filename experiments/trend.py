@@ -789,8 +789,9 @@ def lab_defaults(first, argv):
     given = any(a == "--prompts" or a.startswith("--prompts=") for a in (sys.argv[1:] if argv is None else argv))
     prompts = first.prompts if given else LAB_PRESET["prompts"]
     name = f"{first.split}-p{prompts}" + (f"-lr{first.lr:g}" if first.split == "val" else "")
-    return {**LAB_PRESET, "model": os.path.join(first.lab, "model"), "dataset": os.path.join(first.lab, "train.jsonl"),
-            "eval_datasets": os.path.join(first.lab, f"{first.split}.jsonl"),
+    lab = os.path.abspath(first.lab)  # the runs start in the repository root
+    return {**LAB_PRESET, "model": os.path.join(lab, "model"), "dataset": os.path.join(lab, "train.jsonl"),
+            "eval_datasets": os.path.join(lab, f"{first.split}.jsonl"),
             "out": os.path.join(ROOT, "experiments", "out_lab", name), "results": os.path.join(ROOT, "docs", "lab",
                                                                                               "runs", name)}
 

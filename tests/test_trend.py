@@ -324,6 +324,7 @@ def test_lab_preset_fills_the_flags_left_unset(tmp_path):
     assert (args.prompts, args.group_size, args.num_mini_batches, args.steps) == (32, 8, 4, 150)
     assert (args.eval_n, args.eval_problems, args.eval_temperature, args.seeds) == (64, 0, 1.0, list(range(16)))
     assert args.model == os.path.join(lab, "model") and args.dataset == os.path.join(lab, "train.jsonl")
+    assert trend.parse_args(["--lab", os.path.relpath(lab)]).model == args.model  # absolute: runs start in ROOT
     assert args.eval_datasets == os.path.join(lab, "test.jsonl") and args.results.endswith("docs/lab/runs/test-p32")
     given = trend.parse_args(["--lab", lab, "--prompts", "4", "--steps", "3"])
     assert (given.prompts, given.steps, given.results.endswith("runs/test-p4")) == (4, 3, True)
