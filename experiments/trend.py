@@ -279,7 +279,8 @@ def write_result(args, method, seed, wall_s):
     with open(os.path.join(ev, "metrics.json")) as f:
         datasets = json.load(f)["datasets"]
     out = {"method": method, "seed": seed, "settings": result_settings(args, method),
-           "metrics": {k: [r.get(k) for r in rows] for k in RESULT_KEYS},
+           "metrics": {k: [round(v, 5) if isinstance(v, float) else v for v in (r.get(k) for r in rows)]
+                       for k in RESULT_KEYS},  # 5 decimals: a run's file stays ~12 KB
            "eval": {os.path.basename(ds): m["pass@k"] for ds, m in datasets.items()},
            "boxed_expressions": boxed_expressions(os.path.join(ev, "samples.jsonl")), "wall_s": round(wall_s, 1)}
     os.makedirs(args.results, exist_ok=True)
@@ -793,7 +794,7 @@ def lab_defaults(first, argv):
     return {**LAB_PRESET, "model": os.path.join(lab, "model"), "dataset": os.path.join(lab, "train.jsonl"),
             "eval_datasets": os.path.join(lab, f"{first.split}.jsonl"),
             "out": os.path.join(ROOT, "experiments", "out_lab", name), "results": os.path.join(ROOT, "docs", "lab",
-                                                                                              "runs", name)}
+                                                                                              "results", name)}
 
 
 def main(argv=None):

@@ -325,11 +325,11 @@ def test_lab_preset_fills_the_flags_left_unset(tmp_path):
     assert (args.eval_n, args.eval_problems, args.eval_temperature, args.seeds) == (64, 0, 1.0, list(range(16)))
     assert args.model == os.path.join(lab, "model") and args.dataset == os.path.join(lab, "train.jsonl")
     assert trend.parse_args(["--lab", os.path.relpath(lab)]).model == args.model  # absolute: runs start in ROOT
-    assert args.eval_datasets == os.path.join(lab, "test.jsonl") and args.results.endswith("docs/lab/runs/test-p32")
+    assert args.eval_datasets == os.path.join(lab, "test.jsonl") and args.results.endswith("docs/lab/results/test-p32")
     given = trend.parse_args(["--lab", lab, "--prompts", "4", "--steps", "3"])
-    assert (given.prompts, given.steps, given.results.endswith("runs/test-p4")) == (4, 3, True)
+    assert (given.prompts, given.steps, given.results.endswith("results/test-p4")) == (4, 3, True)
     scan = trend.parse_args(["--lab", lab, "--split", "val", "--lr", "3e-5"])
-    assert scan.eval_datasets.endswith("val.jsonl") and scan.results.endswith("runs/val-p32-lr3e-05")
+    assert scan.eval_datasets.endswith("val.jsonl") and scan.results.endswith("results/val-p32-lr3e-05")
     with pytest.raises(SystemExit) as e:  # the split is smaller than one step's prompts
         trend.main(["--lab", _fake_lab(tmp_path / "small", n_train=20), "--out", str(tmp_path / "o"), "--dry-run"])
     assert str(e.value) == (f"trend.py: error: {tmp_path / 'small' / 'train.jsonl'} holds 20 problems, fewer than "
