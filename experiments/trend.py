@@ -707,6 +707,7 @@ def summarize(args):
     runs, missing = collect(args)
     if not runs:
         raise SweepError(f"no finished run in {args.out} yet (missing: {', '.join(missing)})")
+    os.makedirs(args.out, exist_ok=True)  # --results alone (a fresh machine) has no --out yet
     base_path = os.path.join(args.out, "eval_base")
     base = read_eval(base_path) if os.path.isfile(os.path.join(base_path, "metrics.json")) else None
     stats = statistics(args, runs)

@@ -290,6 +290,10 @@ def test_result_files_alone_resume_and_summarize_a_sweep(tmp_path, monkeypatch):
         == str(out / "eval_base")
     again = json.load(open(out / "stats.json"))
     assert again["values"] == stats["values"] and again["claims"] == stats["claims"]
+    shutil.rmtree(out)  # --plot-only from the result files alone: the summary and figures, nothing run
+    fake.calls.clear()
+    trend.main(_argv(out, "--results", str(results), "--plot-only"))
+    assert fake.calls == [] and json.load(open(out / "stats.json"))["claims"] == stats["claims"]
     # a result file made with other settings is refused, in one line
     with pytest.raises(SystemExit) as e:
         trend.main(_argv(tmp_path / "other", "--results", str(results), "--method-lr", "grpo=3e-5"))
