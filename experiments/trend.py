@@ -685,6 +685,45 @@ def lab_summary(runs_root, prompts=32, last=10):
             "wall_s": round(sum(r["wall_s"] for rs in groups.values() for r in rs), 1)}
 
 
+def plot_axis(summary, path):
+    """The axis: against prompts per mini-batch, the critic's pooled AUC per method, and PACS - critic-off in
+    held-out pass@1 paired by seed; each a mean over seeds with its 95% t-interval as error bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    by = {}
+    for a in summary["axis"]:
+        by.setdefault(a["prompts_per_mini_batch"], {}).setdefault(a["method"], {})[a["seed"]] = a
+    xs = sorted(by)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for method in AXIS_METHODS:
+        stats = [t_interval([r["critic_auc"] for r in by[x].get(method, {}).values() if r["critic_auc"] is not None])
+                 for x in xs]
+        mean = np.array([s[0] for s in stats])
+        err = np.array([[m - lo, hi - m] if not math.isnan(lo) else [0, 0] for m, lo, hi in stats]).T
+        axes[0].errorbar(xs, mean, yerr=err, marker="o", capsize=3, label=method)
+    axes[0].axhline(0.5, color="k", lw=0.8, ls="--")
+    axes[0].set(title="critic AUC on mini-batches 1..M-1 (pooled per run)", xlabel="prompts per mini-batch")
+    diffs = [t_interval(paired_differences({s: r["pass@1"] for s, r in by[x].get("pacs", {}).items()},
+                                           {s: r["pass@1"] for s, r in by[x].get("pacs-critic-off", {}).items()})[1])
+             for x in xs]
+    err = np.array([[m - lo, hi - m] if not math.isnan(lo) else [0, 0] for m, lo, hi in diffs]).T
+    axes[1].errorbar(xs, [d[0] for d in diffs], yerr=err, marker="o", capsize=3, color="C2")
+    axes[1].axhline(0.0, color="k", lw=0.8, ls="--")
+    axes[1].set(title="pacs - pacs-critic-off, held-out pass@1 (paired by seed)", xlabel="prompts per mini-batch")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("The axis: what the critic has to read; mean over seeds, 95% t-interval", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def lab_scan(runs_root):
     """The learning-rate scan from the result files in runs_root/val-p*-lr*/: {"pass@1": {method: {lr: [validation
     pass@1 per seed]}}, "choice": {method: the lr of the highest mean}} (ties: the smaller lr)."""
@@ -831,6 +870,8 @@ def main(argv=None):
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=1)
             print(f"summary: {args.summary_json} ({len(summary['runs'])} runs, {len(summary['axis'])} on the axis)")
+            if summary["axis"]:
+                print(f"figure: {plot_axis(summary, os.path.join(os.path.dirname(args.summary_json) or '.', 'lab_axis.png'))}")
     except SweepError as e:
         sys.exit(f"trend.py: error: {e}")
     except subprocess.CalledProcessError as e:

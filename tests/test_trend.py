@@ -390,6 +390,7 @@ def test_lab_summary_follows_the_schema(tmp_path, monkeypatch):
     trend.main(_argv(tmp_path / "out8", "--methods", "pacs", "pacs-critic-off", "grpo", "--prompts", "8",
                      "--results", str(runs / "test-p8"), "--summary-json", str(tmp_path / "summary.json")))
     assert json.load(open(tmp_path / "summary.json")) == json.loads(json.dumps(summary))
+    assert os.path.getsize(tmp_path / "lab_axis.png") > 0
     with pytest.raises(trend.SweepError, match="no result file for --prompts 32"):
         trend.lab_summary(str(runs), prompts=32)
 
