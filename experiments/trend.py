@@ -21,6 +21,15 @@ GPU recipe (Qwen2.5-0.5B-Instruct on DeepScaleR, the paper's schedule and eval p
         --seeds 0 1 2 --steps 300 --prompts 128 --num-mini-batches 4 --max-new-tokens 1024 --lr 1e-6 \\
         --eval-problems 0 --eval-n 16 --eval-temperature 0.6 --eval-top-p 0.95
 
+The lab (experiments/lab.py; docs/lab/README.md): --lab DIR sets every flag left unset to the lab's schedule
+(LAB_PRESET: 32 prompts x 8, M = 4, 150 steps, pass@1..64 on the 200 test problems), --split val runs the
+learning-rate scan on the validation split, --method-lr gives each method its chosen lr, and each finished run
+leaves a small result file in --results (docs/lab/results/...), which counts as done: the sweep resumes from the
+committed files on a fresh machine, and --scan-json / --summary-json write the scan's choice and summary.json:
+    python experiments/lab.py --out experiments/out_lab/lab --seed 0
+    python experiments/trend.py --lab experiments/out_lab/lab --split val --lr 1e-4 --seeds 1000 1001
+    python experiments/trend.py --lab experiments/out_lab/lab --method-lr pacs=1e-4 ... --seeds 0 1 2 3 4 5 6 7
+
 Resumable: a killed sweep continues with the same command. A run whose last checkpoint is its final step
 is not trained again, an unfinished one continues with pacs.py --resume, and an eval with a metrics.json
 is not redone (eval.py resumes a half-done one itself). A larger --steps extends finished runs. Settings
