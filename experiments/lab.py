@@ -100,7 +100,8 @@ def make_splits(seed, sizes, max_operand=9):
 # =====================================================================================================
 def _bytes_to_unicode():
     """GPT-2's byte -> printable unicode map used by byte-level BPE (bytes, chars)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -259,7 +260,8 @@ def parse_args(argv=None):
 def check_args(args):
     if os.path.exists(args.out):
         raise LabError(f"--out {args.out} exists; the lab is built into a new directory")
-    for flag in ("max_operand", "sft_problems", "train_problems", "val_problems", "test_problems", "hidden", "layers", "heads",
+    for flag in ("max_operand", "sft_problems", "train_problems", "val_problems", "test_problems", "hidden", "layers",
+                 "heads",
                  "sft_batch", "max_sft_steps", "check_every", "check_problems", "check_n", "max_new_tokens", "eval_n"):
         if getattr(args, flag) < 1:
             raise LabError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")

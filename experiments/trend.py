@@ -79,8 +79,11 @@ CLAIMS = [("pacs", "pacs-critic-off"), ("pacs", "grpo"), ("pacs", "ppo"), ("pacs
 CRITIC_METHODS = ["pacs", "pacs-critic-off", "ppo"]  # runs whose metrics.jsonl scores a critic (critic_auc, ...)
 # settings that define a sweep's runs and evals: a rerun into the same --out must match them
 SWEEP_KEYS = ("model", "dataset", "data_dir", "prompts", "group_size", "num_mini_batches", "max_new_tokens",
-              "lr", "method_lr", "pacs_args", "eval_datasets", "eval_problems", "eval_n", "eval_temperature", "eval_top_p",
-              "eval_max_new_tokens", "eval_args")
+              "lr", "method_lr", "critic_lr_ratio", "pacs_args", "eval_datasets", "eval_problems", "eval_n",
+              "eval_temperature", "eval_top_p", "eval_max_new_tokens", "eval_args")
+
+
+NEW_SWEEP_KEYS = {"method_lr": {}, "critic_lr_ratio": 0.0}  # added since the first sweeps, with their neutral value
 
 
 class SweepError(Exception):
@@ -201,8 +204,10 @@ def train_command(args, method, seed):
     return [sys.executable, "pacs.py", "--model", args.model, "--dataset", args.dataset, *data,
             "--steps", str(args.steps), "--prompts-per-step", str(args.prompts), "--group-size", str(args.group_size),
             "--num-mini-batches", str(args.num_mini_batches), "--max-new-tokens", str(args.max_new_tokens),
-            "--lr", str(method_lr(args, method)), "--eval-every", "0", "--save-every", str(args.save_every), "--seed", str(seed),
-            "--out-dir", run_dir(args, method, seed), "--resume", *METHODS[method], *shlex.split(args.pacs_args)]
+            "--lr", str(method_lr(args, method)), "--eval-every", "0", "--save-every", str(args.save_every),
+            "--seed", str(seed),
+            "--out-dir", run_dir(args, method, seed), "--resume", *METHODS[method], *critic_lr_flags(args, method),
+            *shlex.split(args.pacs_args)]
 
 
 def eval_command(args, model, out):
@@ -222,6 +227,14 @@ def evaluate(args, model, out):
 def method_lr(args, method):
     """The learning rate of a method's runs: its --method-lr entry, else --lr."""
     return args.method_lr.get(method, args.lr)
+
+
+def critic_lr_flags(args, method):
+    """PPO's value-model lr as --critic-lr-ratio times its actor's (the paper's 10: 1e-5 over 1e-6); with ratio 0,
+    pacs.py's default (1e-5) and no flag."""
+    if method != "ppo" or not args.critic_lr_ratio:
+        return []
+    return ["--critic-lr", str(args.critic_lr_ratio * method_lr(args, method))]
 
 
 def train_and_eval(args, method, seed):
@@ -263,7 +276,8 @@ def result_settings(args, method):
             "eval_datasets": ",".join(name(d) for d in args.eval_datasets.split(",")),
             "prompts": args.prompts, "group_size": args.group_size, "num_mini_batches": args.num_mini_batches,
             "steps": args.steps, "max_new_tokens": args.max_new_tokens, "lr": method_lr(args, method),
-            "pacs_flags": METHODS[method] + shlex.split(args.pacs_args), "eval_problems": args.eval_problems,
+            "pacs_flags": METHODS[method] + critic_lr_flags(args, method) + shlex.split(args.pacs_args),
+            "eval_problems": args.eval_problems,
             "eval_n": args.eval_n, "eval_temperature": args.eval_temperature, "eval_top_p": args.eval_top_p,
             "eval_max_new_tokens": args.eval_max_new_tokens, "eval_args": args.eval_args}
 
@@ -322,11 +336,13 @@ def check_sweep_file(args):
     path = os.path.join(args.out, "sweep.json")
     saved = {}
     if os.path.isfile(path):
-        diff = pacs.changed_settings(path, mine)
-        if diff:
-            raise SweepError(f"{args.out} holds runs made with other settings ({'; '.join(diff)}); use another --out")
         with open(path) as f:
             saved = json.load(f)
+        # a key newer than the sweep.json is no change while it has its neutral value
+        older = {k for k in NEW_SWEEP_KEYS if k not in saved and mine[k] == NEW_SWEEP_KEYS[k]}
+        diff = pacs.changed_settings(path, {k: v for k, v in mine.items() if k not in older})
+        if diff:
+            raise SweepError(f"{args.out} holds runs made with other settings ({'; '.join(diff)}); use another --out")
     flags = saved.get("method_flags", {})
     for method in args.methods:
         made = flags.get(method)
@@ -385,6 +401,8 @@ def check_args(args):
             n_train = sum(1 for line in f if line.strip())
         if n_train < args.prompts:
             raise SweepError(f"{args.dataset} holds {n_train} problems, fewer than --prompts {args.prompts} per step")
+    if args.critic_lr_ratio < 0:
+        raise SweepError(f"--critic-lr-ratio must be >= 0 (0 = pacs.py's default critic lr), got {args.critic_lr_ratio}")
     for method, lr in args.method_lr.items():
         if method not in METHODS or not lr > 0:
             raise SweepError(f"--method-lr {method}={lr}: expected a method ({', '.join(METHODS)}) and an lr > 0")
@@ -803,6 +821,8 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="print the commands a sweep would run, run nothing")
     p.add_argument("--method-lr", nargs="+", default=[], metavar="METHOD=LR",
                    help="a method's own learning rate in place of --lr (the learning-rate scan's choice)")
+    p.add_argument("--critic-lr-ratio", type=float, default=0.0, help="PPO's value-model lr as this multiple of "
+                   "its actor's (the paper's scripts: 10); 0 = pacs.py's default 1e-5")
     p.add_argument("--results", default="", help="write each finished run's small result file here "
                    "(<method>-s<seed>.json) and count a run with one as done; the summary reads them")
     p.add_argument("--lab", default="", help="a directory experiments/lab.py built: its model, train split and "
@@ -828,7 +848,8 @@ def parse_args(argv=None):
 # 150 rollout steps (600 optimizer steps); pass@k for k = 1..64 on the 200 test problems at the training temperature;
 # every mini-batch in one forward (64 rows), on the CPU.
 LAB_PRESET = {"prompts": 32, "group_size": 8, "num_mini_batches": 4, "steps": 150, "max_new_tokens": 32,
-              "save_every": 25, "eval_problems": 0, "eval_n": 64, "eval_temperature": 1.0, "eval_top_p": 1.0,
+              "critic_lr_ratio": 10.0, "save_every": 25, "eval_problems": 0, "eval_n": 64, "eval_temperature": 1.0,
+              "eval_top_p": 1.0,
               "seeds": list(range(16)), "last": 10, "pacs_args": "--micro-batch-size 64 --device cpu",
               "eval_args": "--batch-size 1024 --device cpu"}
 
@@ -880,7 +901,8 @@ def main(argv=None):
                 json.dump(summary, f, indent=1)
             print(f"summary: {args.summary_json} ({len(summary['runs'])} runs, {len(summary['axis'])} on the axis)")
             if summary["axis"]:
-                print(f"figure: {plot_axis(summary, os.path.join(os.path.dirname(args.summary_json) or '.', 'lab_axis.png'))}")
+                figure = os.path.join(os.path.dirname(args.summary_json) or ".", "lab_axis.png")
+                print(f"figure: {plot_axis(summary, figure)}")
     except SweepError as e:
         sys.exit(f"trend.py: error: {e}")
     except subprocess.CalledProcessError as e:

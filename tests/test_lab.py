@@ -149,7 +149,8 @@ def test_toy_build_is_deterministic_for_a_seed(toy_lab, tmp_path):
     assert other["weights_sha256"] != summary["weights_sha256"]
 
 
-@pytest.mark.parametrize("checks, kept", [([0.1, 0.2, 0.45, 0.5], 2), ([0.1, 0.26, 0.33, 0.5], 3), ([0.1, 0.28, 0.33, 0.5], 2),
+@pytest.mark.parametrize("checks, kept", [([0.1, 0.2, 0.45, 0.5], 2), ([0.1, 0.26, 0.33, 0.5], 3),
+                                          ([0.1, 0.28, 0.33, 0.5], 2),
                                           ([0.35, 0.5], 1)])
 def test_sft_keeps_the_check_closest_to_the_target(monkeypatch, checks, kept):
     """SFT ends at the first check >= --target (0.3) and keeps that check's weights or the previous one's."""

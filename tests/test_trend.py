@@ -301,12 +301,31 @@ def test_result_files_alone_resume_and_summarize_a_sweep(tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
 
 
+def test_a_sweep_json_from_before_the_new_keys_is_still_accepted(tmp_path, monkeypatch):
+    monkeypatch.setattr(trend, "run_command", FakeRunner())
+    out = tmp_path / "sweep"
+    trend.main(_argv(out))
+    saved = json.load(open(out / "sweep.json"))
+    for key in trend.NEW_SWEEP_KEYS:
+        del saved[key]
+    (out / "sweep.json").write_text(json.dumps(saved))
+    trend.main(_argv(out))  # the same settings: accepted, and sweep.json now holds the new keys
+    assert json.load(open(out / "sweep.json"))["critic_lr_ratio"] == 0.0
+    (out / "sweep.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match="--critic-lr-ratio None there, 10.0 now"):  # another value: refused
+        trend.main(_argv(out, "--critic-lr-ratio", "10"))
+
+
 def test_method_lr_sets_one_methods_learning_rate(tmp_path):
     import pacs
     args = trend.parse_args(["--out", str(tmp_path), "--lr", "2e-5", "--method-lr", "grpo=1e-6", "ppo=3e-6"])
     trend.check_args(args)
     lrs = {m: pacs.parse_args(trend.train_command(args, m, 0)[2:]).lr for m in ("pacs", "grpo", "ppo")}
     assert lrs == {"pacs": 2e-5, "grpo": 1e-6, "ppo": 3e-6}
+    assert pacs.parse_args(trend.train_command(args, "ppo", 0)[2:]).critic_lr == 1e-5  # ratio 0: pacs.py's default
+    args.critic_lr_ratio = 10.0  # the paper's: the value model at 10x its actor's lr
+    critic = {m: pacs.parse_args(trend.train_command(args, m, 0)[2:]).critic_lr for m in ("pacs", "ppo")}
+    assert critic["ppo"] == pytest.approx(3e-5) and critic["pacs"] == 1e-5  # only PPO has a value model
     with pytest.raises(SystemExit):
         trend.parse_args(["--method-lr", "grpo:1e-6"])
     with pytest.raises(SystemExit) as e:
