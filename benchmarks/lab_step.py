@@ -1,8 +1,8 @@
 """Wall time of one pacs.py training step on the lab (experiments/lab.py), phase by phase, on one CPU thread.
 
-    python experiments/lab.py --out experiments/lab --seed 0          # once
-    OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab experiments/lab
-    OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab experiments/lab --profile   # cProfile of one step
+    python experiments/lab.py --out experiments/out_lab/lab --seed 0          # once
+    OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab experiments/out_lab/lab --micro-batch-size 64
+    OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab experiments/out_lab/lab --profile   # cProfile of one step
 
 Runs pacs.train_step (the trainer's own step: sample, verify, pi_old log-probs, M AdamW updates) at 32 prompts
 x G = 8, M = 4 by default, after --warmup untimed steps, and prints the mean and min over --steps timed steps of
@@ -14,7 +14,6 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 
 import numpy as np
 import torch
@@ -33,7 +32,7 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--num-mini-batches", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--micro-batch-size", type=int, default=0, help="0: the memory plan's")
     p.add_argument("--attn", default="", choices=["", "eager", "sdpa"], help="attention kernel ('' = as loaded)")
     p.add_argument("--threads", type=int, default=1)

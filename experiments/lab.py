@@ -1,15 +1,16 @@
 """The lab: a testbed small enough for the trend sweep to have power on a CPU, built offline from nothing.
 
-A synthetic verifiable task (chains of two-digit additions and subtractions, a worked solution, a boxed
-answer), a tokenizer of 27 tokens with a chat template, and a Qwen2ForCausalLM (4 layers, hidden 128) trained
-by supervised fine-tuning on the worked solutions and stopped where it is partly right, so that RL has both
-signal and headroom. pacs.py trains it and eval.py scores it unchanged:
+A synthetic verifiable task (a two-digit number, then two additions or subtractions of 1..9, a worked solution,
+a boxed answer), a tokenizer of 24 tokens with a chat template, and a Qwen2ForCausalLM (2 layers, hidden 128)
+trained by supervised fine-tuning on the worked solutions and stopped where it is partly right, so that RL has
+both signal and headroom. pacs.py trains it and eval.py scores it unchanged (docs/lab/README.md):
 
-    python experiments/lab.py --out experiments/lab --seed 0
-    python pacs.py --model experiments/lab/model --dataset experiments/lab/train.jsonl --prompts-per-step 32 \\
-        --num-mini-batches 4 --max-new-tokens 48 --lr 1e-5 --eval-every 0 --steps 150
-    python eval.py --model experiments/lab/model --datasets experiments/lab/test.jsonl --n 64 --temperature 1.0 \\
-        --top-p 1.0 --max-new-tokens 48 --batch-size 1024 --out runs/lab_base
+    python experiments/lab.py --out experiments/out_lab/lab --seed 0
+    python pacs.py --model experiments/out_lab/lab/model --dataset experiments/out_lab/lab/train.jsonl \
+        --prompts-per-step 32 --num-mini-batches 4 --max-new-tokens 32 --micro-batch-size 64 --lr 3e-5 \
+        --eval-every 0 --steps 150
+    python eval.py --model experiments/out_lab/lab/model --datasets experiments/out_lab/lab/test.jsonl --n 64 \
+        --temperature 1.0 --top-p 1.0 --max-new-tokens 32 --batch-size 1024 --out runs/lab_base
 
 Writes into --out (which must not exist): sft.jsonl (the worked solutions SFT trains on), train.jsonl (the
 prompts RL trains on), val.jsonl (the learning-rate scan's), test.jsonl (the final pass@k's), each a JSONL of
@@ -25,7 +26,6 @@ The test split chooses nothing; its pass@1, pass@8 and pass@64 are the last line
 import argparse
 import hashlib
 import json
-import math
 import os
 import random
 import sys
