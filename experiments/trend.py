@@ -861,7 +861,10 @@ def lab_defaults(first, argv):
     prompts = first.prompts if given else LAB_PRESET["prompts"]
     name = f"{first.split}-p{prompts}" + (f"-lr{first.lr:g}" if first.split == "val" else "")
     lab = os.path.abspath(first.lab)  # the runs start in the repository root
-    return {**LAB_PRESET, "model": os.path.join(lab, "model"), "dataset": os.path.join(lab, "train.jsonl"),
+    # one forward per mini-batch up to 64 rows (8 prompts x 8); 1 prompt per mini-batch: 8 rows
+    rows = prompts // first.num_mini_batches * first.group_size
+    micro = max([m for m in (64, 32, 16, 8) if rows % m == 0] or [first.group_size])
+    return {**LAB_PRESET, "pacs_args": f"--micro-batch-size {micro} --device cpu", "model": os.path.join(lab, "model"), "dataset": os.path.join(lab, "train.jsonl"),
             "eval_datasets": os.path.join(lab, f"{first.split}.jsonl"),
             "out": os.path.join(ROOT, "experiments", "out_lab", name), "results": os.path.join(ROOT, "docs", "lab",
                                                                                               "results", name)}

@@ -351,6 +351,13 @@ def test_lab_preset_fills_the_flags_left_unset(tmp_path):
     assert args.eval_datasets == os.path.join(lab, "test.jsonl") and args.results.endswith("docs/lab/results/test-p32")
     given = trend.parse_args(["--lab", lab, "--prompts", "4", "--steps", "3"])
     assert (given.prompts, given.steps, given.results.endswith("results/test-p4")) == (4, 3, True)
+    assert args.pacs_args == "--micro-batch-size 64 --device cpu"  # a mini-batch of 8 prompts in one forward
+    assert given.pacs_args == "--micro-batch-size 8 --device cpu"  # 1 prompt per mini-batch: its 8 rows
+    assert trend.parse_args(["--lab", lab, "--prompts", "128"]).pacs_args == "--micro-batch-size 64 --device cpu"
+    import pacs
+    for a in (args, given):  # pacs.py accepts the micro-batch the preset picks
+        trend.check_args(a)
+        pacs.check_config(pacs.parse_args(trend.train_command(a, "pacs", 0)[2:]))
     scan = trend.parse_args(["--lab", lab, "--split", "val", "--lr", "3e-5"])
     assert scan.eval_datasets.endswith("val.jsonl") and scan.results.endswith("results/val-p32-lr3e-05")
     with pytest.raises(SystemExit) as e:  # the split is smaller than one step's prompts
