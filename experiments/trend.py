@@ -21,6 +21,15 @@ GPU recipe (Qwen2.5-0.5B-Instruct on DeepScaleR, the paper's schedule and eval p
         --seeds 0 1 2 --steps 300 --prompts 128 --num-mini-batches 4 --max-new-tokens 1024 --lr 1e-6 \\
         --eval-problems 0 --eval-n 16 --eval-temperature 0.6 --eval-top-p 0.95
 
+The lab (experiments/lab.py; docs/lab/README.md): --lab DIR sets every flag left unset to the lab's schedule
+(LAB_PRESET: 32 prompts x 8, M = 4, 150 steps, pass@1..64 on the 200 test problems), --split val runs the
+learning-rate scan on the validation split, --method-lr gives each method its chosen lr, and each finished run
+leaves a small result file in --results (docs/lab/results/...), which counts as done: the sweep resumes from the
+committed files on a fresh machine, and --scan-json / --summary-json write the scan's choice and summary.json:
+    python experiments/lab.py --out experiments/out_lab/lab --seed 0
+    python experiments/trend.py --lab experiments/out_lab/lab --split val --lr 1e-4 --seeds 1000 1001
+    python experiments/trend.py --lab experiments/out_lab/lab --method-lr pacs=1e-4 ... --seeds 0 1 2 3 4 5 6 7
+
 Resumable: a killed sweep continues with the same command. A run whose last checkpoint is its final step
 is not trained again, an unfinished one continues with pacs.py --resume, and an eval with a metrics.json
 is not redone (eval.py resumes a half-done one itself). A larger --steps extends finished runs. Settings
@@ -70,8 +79,11 @@ CLAIMS = [("pacs", "pacs-critic-off"), ("pacs", "grpo"), ("pacs", "ppo"), ("pacs
 CRITIC_METHODS = ["pacs", "pacs-critic-off", "ppo"]  # runs whose metrics.jsonl scores a critic (critic_auc, ...)
 # settings that define a sweep's runs and evals: a rerun into the same --out must match them
 SWEEP_KEYS = ("model", "dataset", "data_dir", "prompts", "group_size", "num_mini_batches", "max_new_tokens",
-              "lr", "pacs_args", "eval_datasets", "eval_problems", "eval_n", "eval_temperature", "eval_top_p",
-              "eval_max_new_tokens", "eval_args")
+              "lr", "method_lr", "critic_lr_ratio", "pacs_args", "eval_datasets", "eval_problems", "eval_n",
+              "eval_temperature", "eval_top_p", "eval_max_new_tokens", "eval_args")
+
+
+NEW_SWEEP_KEYS = {"method_lr": {}, "critic_lr_ratio": 0.0}  # added since the first sweeps, with their neutral value
 
 
 class SweepError(Exception):
@@ -192,8 +204,10 @@ def train_command(args, method, seed):
     return [sys.executable, "pacs.py", "--model", args.model, "--dataset", args.dataset, *data,
             "--steps", str(args.steps), "--prompts-per-step", str(args.prompts), "--group-size", str(args.group_size),
             "--num-mini-batches", str(args.num_mini_batches), "--max-new-tokens", str(args.max_new_tokens),
-            "--lr", str(args.lr), "--eval-every", "0", "--save-every", str(args.save_every), "--seed", str(seed),
-            "--out-dir", run_dir(args, method, seed), "--resume", *METHODS[method], *shlex.split(args.pacs_args)]
+            "--lr", str(method_lr(args, method)), "--eval-every", "0", "--save-every", str(args.save_every),
+            "--seed", str(seed),
+            "--out-dir", run_dir(args, method, seed), "--resume", *METHODS[method], *critic_lr_flags(args, method),
+            *shlex.split(args.pacs_args)]
 
 
 def eval_command(args, model, out):
@@ -210,7 +224,24 @@ def evaluate(args, model, out):
         run_command(eval_command(args, model, out))
 
 
+def method_lr(args, method):
+    """The learning rate of a method's runs: its --method-lr entry, else --lr."""
+    return args.method_lr.get(method, args.lr)
+
+
+def critic_lr_flags(args, method):
+    """PPO's value-model lr as --critic-lr-ratio times its actor's (the paper's 10: 1e-5 over 1e-6); with ratio 0,
+    pacs.py's default (1e-5) and no flag."""
+    if method != "ppo" or not args.critic_lr_ratio:
+        return []
+    return ["--critic-lr", str(args.critic_lr_ratio * method_lr(args, method))]
+
+
 def train_and_eval(args, method, seed):
+    if args.results and os.path.isfile(result_path(args, method, seed)):
+        check_result(args, method, seed)  # done, and made with these settings: nothing to redo
+        return
+    t0 = time.time()
     path = run_dir(args, method, seed)
     done = trained_steps(path)
     if done > args.steps:
@@ -219,6 +250,82 @@ def train_and_eval(args, method, seed):
     if done < args.steps:  # --resume: an interrupted run continues from its latest checkpoint
         run_command(train_command(args, method, seed))
     evaluate(args, pacs.latest_checkpoint(path), eval_dir(args, method, seed))
+    if args.results:
+        write_result(args, method, seed, time.time() - t0)
+
+
+# ---- per-run result files: what a finished run leaves in --results (small, committed), resumable from them -----
+RESULT_KEYS = ("reward", "entropy", "response_len", "mixed_groups", "critic_auc", "critic_pairs", "critic_shift",
+               "critic_adv_change", "explained_var", "grad_norm", "step_time")  # the metrics.jsonl columns kept
+
+
+def result_path(args, method, seed):
+    return os.path.join(args.results, f"{method}-s{seed}.json")
+
+
+def result_settings(args, method):
+    """What defines a run's numbers, with no machine's paths in it: the lab (its weights' sha256) or the model and
+    data by name, the schedule, the method's pacs.py flags and learning rate, the eval's settings."""
+    lab_json = os.path.join(args.lab, "lab.json") if args.lab else ""
+    lab_sha = None
+    if lab_json and os.path.isfile(lab_json):
+        with open(lab_json) as f:
+            lab_sha = json.load(f)["weights_sha256"]
+    name = lambda p: os.path.relpath(p, args.lab) if args.lab and os.path.isabs(p) else p
+    return {"lab_weights_sha256": lab_sha, "model": name(args.model), "dataset": name(args.dataset),
+            "eval_datasets": ",".join(name(d) for d in args.eval_datasets.split(",")),
+            "prompts": args.prompts, "group_size": args.group_size, "num_mini_batches": args.num_mini_batches,
+            "steps": args.steps, "max_new_tokens": args.max_new_tokens, "lr": method_lr(args, method),
+            "pacs_flags": METHODS[method] + critic_lr_flags(args, method) + shlex.split(args.pacs_args),
+            "eval_problems": args.eval_problems,
+            "eval_n": args.eval_n, "eval_temperature": args.eval_temperature, "eval_top_p": args.eval_top_p,
+            "eval_max_new_tokens": args.eval_max_new_tokens, "eval_args": args.eval_args}
+
+
+def boxed_expressions(samples_path):
+    """Share of the eval's rewarded responses whose extracted answer is not a plain integer (say \\boxed{71-5}):
+    verify.py takes an expression equal to the gold as right, and a policy can learn to box the problem."""
+    right = odd = 0
+    with open(samples_path) as f:
+        for row in (json.loads(line) for line in f if line.strip()):
+            for extracted, correct in zip(row["extracted"], row["correct"]):
+                right += correct
+                odd += correct and not (extracted or "").strip().lstrip("-").isdigit()
+    return odd / right if right else 0.0
+
+
+def write_result(args, method, seed, wall_s):
+    """--results/<method>-s<seed>.json: the run's settings, per-step metrics (RESULT_KEYS), held-out pass@k for
+    every k, the boxed-expression share and the wall time; written to a temp file and renamed."""
+    rows = read_metrics(os.path.join(run_dir(args, method, seed), "metrics.jsonl"))[:args.steps]
+    ev = eval_dir(args, method, seed)
+    with open(os.path.join(ev, "metrics.json")) as f:
+        datasets = json.load(f)["datasets"]
+    out = {"method": method, "seed": seed, "settings": result_settings(args, method),
+           "metrics": {k: [round(v, 5) if isinstance(v, float) else v for v in (r.get(k) for r in rows)]
+                       for k in RESULT_KEYS},  # 5 decimals: a run's file stays ~12 KB
+           "eval": {os.path.basename(ds): m["pass@k"] for ds, m in datasets.items()},
+           "boxed_expressions": boxed_expressions(os.path.join(ev, "samples.jsonl")), "wall_s": round(wall_s, 1)}
+    os.makedirs(args.results, exist_ok=True)
+    tmp = result_path(args, method, seed) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, separators=(",", ":"))
+        f.write("\n")
+    os.replace(tmp, result_path(args, method, seed))
+
+
+def read_result(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_result(args, method, seed):
+    saved = read_result(result_path(args, method, seed))["settings"]
+    mine = result_settings(args, method)
+    diff = [f"{k} {saved.get(k)!r} there, {v!r} now" for k, v in mine.items() if saved.get(k) != v]
+    if diff:
+        raise SweepError(f"{result_path(args, method, seed)} was made with other settings ({'; '.join(diff)}); "
+                         "use another --results")
 
 
 def check_sweep_file(args):
@@ -229,11 +336,13 @@ def check_sweep_file(args):
     path = os.path.join(args.out, "sweep.json")
     saved = {}
     if os.path.isfile(path):
-        diff = pacs.changed_settings(path, mine)
-        if diff:
-            raise SweepError(f"{args.out} holds runs made with other settings ({'; '.join(diff)}); use another --out")
         with open(path) as f:
             saved = json.load(f)
+        # a key newer than the sweep.json is no change while it has its neutral value
+        older = {k for k in NEW_SWEEP_KEYS if k not in saved and mine[k] == NEW_SWEEP_KEYS[k]}
+        diff = pacs.changed_settings(path, {k: v for k, v in mine.items() if k not in older})
+        if diff:
+            raise SweepError(f"{args.out} holds runs made with other settings ({'; '.join(diff)}); use another --out")
     flags = saved.get("method_flags", {})
     for method in args.methods:
         made = flags.get(method)
@@ -283,6 +392,20 @@ def check_args(args):
     args.out = os.path.abspath(args.out)
     args.data_dir = os.path.abspath(args.data_dir) if args.data_dir else ""
     args.model = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
+    args.lab = os.path.abspath(args.lab) if args.lab else ""
+    args.results = os.path.abspath(args.results) if args.results else ""
+    if args.lab and not os.path.isfile(os.path.join(args.lab, "lab.json")):
+        raise SweepError(f"--lab {args.lab} is not a finished lab (no lab.json): build it with experiments/lab.py")
+    if args.lab and os.path.isfile(args.dataset):
+        with open(args.dataset) as f:
+            n_train = sum(1 for line in f if line.strip())
+        if n_train < args.prompts:
+            raise SweepError(f"{args.dataset} holds {n_train} problems, fewer than --prompts {args.prompts} per step")
+    if args.critic_lr_ratio < 0:
+        raise SweepError(f"--critic-lr-ratio must be >= 0 (0 = pacs.py's default critic lr), got {args.critic_lr_ratio}")
+    for method, lr in args.method_lr.items():
+        if method not in METHODS or not lr > 0:
+            raise SweepError(f"--method-lr {method}={lr}: expected a method ({', '.join(METHODS)}) and an lr > 0")
     args.dataset = os.path.abspath(args.dataset) if os.path.isfile(args.dataset) else args.dataset
 
 
@@ -300,6 +423,16 @@ def collect(args):
     runs, missing = {}, []
     for method in args.methods:
         for seed in args.seeds:
+            if args.results:  # the committed result files: the summary needs no run dir
+                if os.path.isfile(result_path(args, method, seed)):
+                    check_result(args, method, seed)
+                    r = read_result(result_path(args, method, seed))
+                    rows = [dict(zip(r["metrics"], vals)) for vals in zip(*r["metrics"].values())]
+                    runs.setdefault(method, {})[seed] = {"rows": rows, "eval": {
+                        ds: {int(k): v for k, v in passk.items()} for ds, passk in r["eval"].items()}}
+                else:
+                    missing.append(f"{method}-s{seed}")
+                continue
             ev = eval_dir(args, method, seed)
             metrics = os.path.join(run_dir(args, method, seed), "metrics.jsonl")
             if not (os.path.isfile(os.path.join(ev, "metrics.json")) and os.path.isfile(metrics)):
@@ -530,10 +663,117 @@ def plot(args, runs, base):
     return figures
 
 
+AXIS_METHODS = ("pacs", "pacs-critic-off")
+SUMMARY_SETTINGS = ("prompts", "group_size", "num_mini_batches", "steps", "max_new_tokens", "eval_problems",
+                    "eval_n", "eval_temperature", "eval_top_p", "eval_max_new_tokens", "lab_weights_sha256")
+
+
+def lab_summary(runs_root, prompts=32, last=10):
+    """docs/lab/summary.json's content from the result files under runs_root: settings (the schedule, each method's
+    lr and pacs.py flags, the seeds), runs (every method at `prompts` prompts per step: pass@1, pass@64, the final
+    reward and entropy as means of the last `last` steps, the pooled critic AUC, the boxed-expression share), axis
+    (pacs and pacs-critic-off at every prompts per step swept: prompts per mini-batch, critic AUC, pass@1) and
+    wall_s (the runs' wall time, summed)."""
+    groups = {}
+    for d in sorted(os.listdir(runs_root)) if os.path.isdir(runs_root) else []:
+        if d.startswith("test-p") and os.path.isdir(os.path.join(runs_root, d)):
+            for fname in sorted(os.listdir(os.path.join(runs_root, d))):
+                if fname.endswith(".json"):
+                    r = read_result(os.path.join(runs_root, d, fname))
+                    groups.setdefault(r["settings"]["prompts"], []).append(r)
+    if prompts not in groups:
+        raise SweepError(f"no result file for --prompts {prompts} under {runs_root}/test-p*/")
+    main_runs = sorted(groups[prompts], key=lambda r: (r["method"], r["seed"]))
+    first = main_runs[0]["settings"]
+    for r in main_runs:
+        diff = [k for k in SUMMARY_SETTINGS if r["settings"].get(k) != first.get(k)]
+        if diff:
+            raise SweepError(f"{r['method']}-s{r['seed']} differs from the other runs in {', '.join(diff)}")
+
+    def entry(r):
+        rows = [dict(zip(r["metrics"], vals)) for vals in zip(*r["metrics"].values())]
+        passk = next(iter(r["eval"].values()))
+        auc = pooled_auc(rows)
+        return {"method": r["method"], "seed": r["seed"], "pass@1": passk["1"], "pass@64": passk.get("64"),
+                "final_reward": final_mean(rows, "reward", last), "final_entropy": final_mean(rows, "entropy", last),
+                "critic_auc": None if math.isnan(auc) else auc, "boxed_expressions": r["boxed_expressions"]}
+
+    settings = {k: first.get(k) for k in SUMMARY_SETTINGS}
+    methods = sorted({r["method"] for r in main_runs})
+    settings.update({"lr": {m: next(r["settings"]["lr"] for r in main_runs if r["method"] == m) for m in methods},
+                     "pacs_flags": {m: next(r["settings"]["pacs_flags"] for r in main_runs if r["method"] == m)
+                                    for m in methods},
+                     "seeds": {m: sorted(r["seed"] for r in main_runs if r["method"] == m) for m in methods},
+                     "final_mean_of_last_steps": last})
+    axis = [{"prompts_per_mini_batch": p // r["settings"]["num_mini_batches"], **{k: e[k] for k in (
+        "method", "seed", "critic_auc", "pass@1")}} for p in sorted(groups) for r in groups[p]
+        if r["method"] in AXIS_METHODS for e in [entry(r)]]
+    return {"settings": settings, "runs": [entry(r) for r in main_runs], "axis": axis,
+            "wall_s": round(sum(r["wall_s"] for rs in groups.values() for r in rs), 1)}
+
+
+def plot_axis(summary, path):
+    """The axis: against prompts per mini-batch, the critic's pooled AUC per method, and PACS - critic-off in
+    held-out pass@1 paired by seed; each a mean over seeds with its 95% t-interval as error bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    by = {}
+    for a in summary["axis"]:
+        by.setdefault(a["prompts_per_mini_batch"], {}).setdefault(a["method"], {})[a["seed"]] = a
+    xs = sorted(by)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for method in AXIS_METHODS:
+        stats = [t_interval([r["critic_auc"] for r in by[x].get(method, {}).values() if r["critic_auc"] is not None])
+                 for x in xs]
+        mean = np.array([s[0] for s in stats])
+        err = np.array([[m - lo, hi - m] if not math.isnan(lo) else [0, 0] for m, lo, hi in stats]).T
+        axes[0].errorbar(xs, mean, yerr=err, marker="o", capsize=3, label=method)
+    axes[0].axhline(0.5, color="k", lw=0.8, ls="--")
+    axes[0].set(title="critic AUC on mini-batches 1..M-1 (pooled per run)", xlabel="prompts per mini-batch")
+    diffs = [t_interval(paired_differences({s: r["pass@1"] for s, r in by[x].get("pacs", {}).items()},
+                                           {s: r["pass@1"] for s, r in by[x].get("pacs-critic-off", {}).items()})[1])
+             for x in xs]
+    err = np.array([[m - lo, hi - m] if not math.isnan(lo) else [0, 0] for m, lo, hi in diffs]).T
+    axes[1].errorbar(xs, [d[0] for d in diffs], yerr=err, marker="o", capsize=3, color="C2")
+    axes[1].axhline(0.0, color="k", lw=0.8, ls="--")
+    axes[1].set(title="pacs - pacs-critic-off, held-out pass@1 (paired by seed)", xlabel="prompts per mini-batch")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("The axis: what the critic has to read; mean over seeds, 95% t-interval", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def lab_scan(runs_root):
+    """The learning-rate scan from the result files in runs_root/val-p*-lr*/: {"pass@1": {method: {lr: [validation
+    pass@1 per seed]}}, "choice": {method: the lr of the highest mean}} (ties: the smaller lr)."""
+    table = {}
+    for d in sorted(os.listdir(runs_root)) if os.path.isdir(runs_root) else []:
+        if d.startswith("val-p") and os.path.isdir(os.path.join(runs_root, d)):
+            for fname in sorted(os.listdir(os.path.join(runs_root, d))):
+                if fname.endswith(".json"):
+                    r = read_result(os.path.join(runs_root, d, fname))
+                    table.setdefault(r["method"], {}).setdefault(r["settings"]["lr"], []).append(
+                        next(iter(r["eval"].values()))["1"])
+    if not table:
+        raise SweepError(f"no scan result under {runs_root}/val-p*-lr*/")
+    choice = {m: max(sorted(by_lr), key=lambda lr: float(np.mean(by_lr[lr]))) for m, by_lr in table.items()}
+    return {"pass@1": {m: {str(lr): v for lr, v in sorted(by_lr.items())} for m, by_lr in table.items()},
+            "choice": choice}
+
+
 def summarize(args):
     runs, missing = collect(args)
     if not runs:
         raise SweepError(f"no finished run in {args.out} yet (missing: {', '.join(missing)})")
+    os.makedirs(args.out, exist_ok=True)  # --results alone (a fresh machine) has no --out yet
     base_path = os.path.join(args.out, "eval_base")
     base = read_eval(base_path) if os.path.isfile(os.path.join(base_path, "metrics.json")) else None
     stats = statistics(args, runs)
@@ -579,7 +819,55 @@ def parse_args(argv=None):
                    "(default OUT/trend)")
     p.add_argument("--plot-only", action="store_true", help="train nothing: summary and figures of the finished runs")
     p.add_argument("--dry-run", action="store_true", help="print the commands a sweep would run, run nothing")
-    return p.parse_args(argv)
+    p.add_argument("--method-lr", nargs="+", default=[], metavar="METHOD=LR",
+                   help="a method's own learning rate in place of --lr (the learning-rate scan's choice)")
+    p.add_argument("--critic-lr-ratio", type=float, default=0.0, help="PPO's value-model lr as this multiple of "
+                   "its actor's (the paper's scripts: 10); 0 = pacs.py's default 1e-5")
+    p.add_argument("--results", default="", help="write each finished run's small result file here "
+                   "(<method>-s<seed>.json) and count a run with one as done; the summary reads them")
+    p.add_argument("--lab", default="", help="a directory experiments/lab.py built: its model, train split and "
+                   "the lab's defaults for every flag left unset (LAB_PRESET)")
+    p.add_argument("--summary-json", default="", help="also write the lab's summary (lab_summary) of the result "
+                   "files beside --results (every test-p*/ dir) to this path, e.g. docs/lab/summary.json")
+    p.add_argument("--scan-json", default="", help="write the learning-rate scan (lab_scan) of the result files "
+                   "beside --results (every val-p*-lr*/ dir) to this path and print it, e.g. docs/lab/scan.json")
+    p.add_argument("--split", default="test", choices=["test", "val"], help="with --lab: the held-out split "
+                   "(val for the learning-rate scan; the test split chooses nothing)")
+    first, _ = p.parse_known_args(argv)
+    if first.lab:  # the lab's defaults; flags given on the command line still win
+        p.set_defaults(**lab_defaults(first, argv))
+    args = p.parse_args(argv)
+    try:
+        args.method_lr = {m: float(lr) for m, lr in (item.split("=", 1) for item in args.method_lr)}
+    except ValueError:
+        p.error(f"--method-lr {' '.join(args.method_lr)}: expected METHOD=LR items, e.g. pacs=1e-5")
+    return args
+
+
+# The lab (experiments/lab.py): the issue's schedule. 32 prompts x G = 8 per step, M = 4 (8 prompts per mini-batch),
+# 150 rollout steps (600 optimizer steps); pass@k for k = 1..64 on the 200 test problems at the training temperature;
+# every mini-batch in one forward (64 rows), on the CPU.
+LAB_PRESET = {"prompts": 32, "group_size": 8, "num_mini_batches": 4, "steps": 150, "max_new_tokens": 32,
+              "critic_lr_ratio": 10.0, "save_every": 25, "eval_problems": 0, "eval_n": 64, "eval_temperature": 1.0,
+              "eval_top_p": 1.0,
+              "seeds": list(range(16)), "last": 10, "pacs_args": "--micro-batch-size 64 --device cpu",
+              "eval_args": "--batch-size 1024 --device cpu"}
+
+
+def lab_defaults(first, argv):
+    """Defaults of a --lab sweep: LAB_PRESET, the lab's model and splits, and an --out and --results named by
+    the split and the prompts per step (and the lr on the validation split: one directory per scanned lr)."""
+    given = any(a == "--prompts" or a.startswith("--prompts=") for a in (sys.argv[1:] if argv is None else argv))
+    prompts = first.prompts if given else LAB_PRESET["prompts"]
+    name = f"{first.split}-p{prompts}" + (f"-lr{first.lr:g}" if first.split == "val" else "")
+    lab = os.path.abspath(first.lab)  # the runs start in the repository root
+    # one forward per mini-batch up to 64 rows (8 prompts x 8); 1 prompt per mini-batch: 8 rows
+    rows = prompts // first.num_mini_batches * first.group_size
+    micro = max([m for m in (64, 32, 16, 8) if rows % m == 0] or [first.group_size])
+    return {**LAB_PRESET, "pacs_args": f"--micro-batch-size {micro} --device cpu", "model": os.path.join(lab, "model"), "dataset": os.path.join(lab, "train.jsonl"),
+            "eval_datasets": os.path.join(lab, f"{first.split}.jsonl"),
+            "out": os.path.join(ROOT, "experiments", "out_lab", name), "results": os.path.join(ROOT, "docs", "lab",
+                                                                                              "results", name)}
 
 
 def main(argv=None):
@@ -595,6 +883,14 @@ def main(argv=None):
                     print(" ".join(shlex.quote(c) for c in eval_command(args, "<final checkpoint>",
                                                                         eval_dir(args, method, seed))))
             return
+        if args.scan_json:  # the scan's table and choice only: nothing is trained
+            scan = lab_scan(os.path.dirname(args.results))
+            with open(args.scan_json, "w") as f:
+                json.dump(scan, f, indent=1)
+            for m, by_lr in scan["pass@1"].items():
+                print(f"{m}: " + ", ".join(f"lr {lr}: {np.mean(v):.3f} ({len(v)} seeds)" for lr, v in by_lr.items())
+                      + f" -> {scan['choice'][m]:g}")
+            return
         if not args.plot_only:
             check_sweep_file(args)
             evaluate(args, args.model, os.path.join(args.out, "eval_base"))
@@ -602,6 +898,14 @@ def main(argv=None):
                 for method in args.methods:
                     train_and_eval(args, method, seed)
         summarize(args)
+        if args.summary_json:
+            summary = lab_summary(os.path.dirname(args.results), args.prompts, args.last)
+            with open(args.summary_json, "w") as f:
+                json.dump(summary, f, indent=1)
+            print(f"summary: {args.summary_json} ({len(summary['runs'])} runs, {len(summary['axis'])} on the axis)")
+            if summary["axis"]:
+                figure = os.path.join(os.path.dirname(args.summary_json) or ".", "lab_axis.png")
+                print(f"figure: {plot_axis(summary, figure)}")
     except SweepError as e:
         sys.exit(f"trend.py: error: {e}")
     except subprocess.CalledProcessError as e:

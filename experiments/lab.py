@@ -1,0 +1,331 @@
+"""The lab: a testbed small enough for the trend sweep to have power on a CPU, built offline from nothing.
+
+A synthetic verifiable task (a two-digit number, then two additions or subtractions of 1..9, a worked solution,
+a boxed answer), a tokenizer of 24 tokens with a chat template, and a Qwen2ForCausalLM (2 layers, hidden 128)
+trained by supervised fine-tuning on the worked solutions and stopped where it is partly right, so that RL has
+both signal and headroom. pacs.py trains it and eval.py scores it unchanged (docs/lab/README.md):
+
+    python experiments/lab.py --out experiments/out_lab/lab --seed 0
+    python pacs.py --model experiments/out_lab/lab/model --dataset experiments/out_lab/lab/train.jsonl \
+        --prompts-per-step 32 --num-mini-batches 4 --max-new-tokens 32 --micro-batch-size 64 --lr 3e-5 \
+        --eval-every 0 --steps 150
+    python eval.py --model experiments/out_lab/lab/model --datasets experiments/out_lab/lab/test.jsonl --n 64 \
+        --temperature 1.0 --top-p 1.0 --max-new-tokens 32 --batch-size 1024 --out runs/lab_base
+
+Writes into --out (which must not exist): sft.jsonl (the worked solutions SFT trains on), train.jsonl (the
+prompts RL trains on), val.jsonl (the learning-rate scan's), test.jsonl (the final pass@k's), each a JSONL of
+{id, problem, answer, solution, source}, no problem in two files; model/ (save_pretrained: config, weights,
+tokenizer); sft_log.jsonl (the loss and the validation pass@1 at each check); eval_base/ (eval.py's files for
+the base model on the test split); lab.json (the build's settings, the stop, the time and the base pass@k).
+
+The stopping rule reads the validation split only: every --check-every SFT steps, pass@1 at T = 1.0 on
+--check-problems validation problems x --check-n samples; SFT stops at the first check at or above --target and
+keeps the weights of that check or of the one before, whichever is closer to --target.
+The test split chooses nothing; its pass@1, pass@8 and pass@64 are the last line printed.
+"""
+import argparse
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import eval as pacs_eval  # noqa: E402  (pass@k from n samples, resumable: the base model's eval)
+import pacs  # noqa: E402  (build_prompt, sample, reward_fn: the prompts, rollouts and rewards of training)
+
+SOURCE = "lab-chain"
+WHAT_IS = "What is"  # the problem's opening, one token
+BOX = "\\boxed{"  # the answer's opening, one token
+SPECIALS = ["<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>"]
+CHARS = "0123456789+-=? }\n"  # every other character of a problem or a solution: one token each
+CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SPLITS = ("test", "val", "train", "sft")  # filled in this order from one stream of distinct problems
+
+
+class LabError(Exception):
+    """A user-facing problem with the flags or the --out dir: printed as one line."""
+
+
+# =====================================================================================================
+# The task: chains of two-digit + and -, each step a skill every problem shares
+# =====================================================================================================
+def make_problem(rng, n_ops=2, max_operand=9):
+    """{problem, answer, solution}: a two-digit number, then n_ops additions and subtractions of numbers in
+    [1, max_operand], the running total kept >= 0. The solution writes one equation per operation, a line each,
+    each starting from the previous total; the last one's result is boxed:
+        What is 63+8-5?  ->  63+8=71\\n71-5=\\boxed{66}
+    The skills every problem shares: adding and subtracting a small number, with a carry or a borrow or not."""
+    total = rng.randint(10, 99)
+    expr, steps = str(total), []
+    for _ in range(n_ops):
+        b = rng.randint(1, max_operand)
+        sub = rng.random() < 0.5 and b <= total
+        new = total - b if sub else total + b
+        op = "-" if sub else "+"
+        expr += f"{op}{b}"
+        steps.append(f"{total}{op}{b}={BOX}{new}}}" if len(steps) == n_ops - 1 else f"{total}{op}{b}={new}")
+        total = new
+    return {"problem": f"{WHAT_IS} {expr}?", "answer": str(total), "solution": "\n".join(steps)}
+
+
+def make_splits(seed, sizes, max_operand=9):
+    """{split: rows} for the splits in SPLITS with sizes[split] rows each, from one seeded stream of problems,
+    each distinct problem kept once: no problem is in two splits. Rows: {id, problem, answer, solution, source}."""
+    rng = random.Random(seed)
+    seen, out = set(), {}
+    for split in SPLITS:
+        rows, tries = [], 0
+        while len(rows) < sizes[split]:
+            tries += 1
+            if tries > 20 * sizes[split] + 1000:
+                raise LabError(f"cannot draw {sizes[split]} distinct {split} problems (only {len(rows)} new ones)")
+            p = make_problem(rng, max_operand=max_operand)
+            if p["problem"] in seen:
+                continue
+            seen.add(p["problem"])
+            rows.append({"id": f"{split}-{len(rows)}", **p, "source": SOURCE})
+        out[split] = rows
+    return out
+
+
+# =====================================================================================================
+# The tokenizer: one token per character, and one each for the problem's opening, the prompt's instruction
+# and \boxed{; a chat template, so pacs.build_prompt formats the lab's prompts as it does Qwen's
+# =====================================================================================================
+def _bytes_to_unicode():
+    """GPT-2's byte -> printable unicode map used by byte-level BPE (bytes, chars)."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return bs, [chr(c) for c in cs]
+
+
+def make_tokenizer():
+    """A byte-level BPE without merges over CHARS (byte-level, as transformers reloads a Qwen2 model's
+    tokenizer), the words WHAT_IS, pacs.PROMPT_SUFFIX and BOX as added tokens, and the chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    byte_char = dict(zip(*_bytes_to_unicode()))
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + [byte_char[ord(c)] for c in CHARS])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIALS[0], eos_token=SPECIALS[1],
+                                   additional_special_tokens=SPECIALS[2:])
+    fast.add_tokens([AddedToken(w, normalized=False) for w in (WHAT_IS, pacs.PROMPT_SUFFIX, BOX)])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+# =====================================================================================================
+# The model and its supervised fine-tuning
+# =====================================================================================================
+def make_model(tokenizer, hidden, layers, heads, seed, intermediate=0):
+    """A randomly initialised Qwen2ForCausalLM over the lab's tokenizer (tied embeddings, seeded; MLP width
+    intermediate, 0: 2 x hidden), eager attention (on the CPU at these sizes it is faster than SDPA)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=128, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def encode_sft(tokenizer, rows):
+    """(ids (N, L), labels (N, L), attention (N, L)): the chat prompt then the solution and EOS, right-padded;
+    labels are the ids on the solution and its EOS and -100 on the prompt and padding (the loss reads only
+    what the model writes)."""
+    seqs, starts = [], []
+    for r in rows:
+        prompt = tokenizer(pacs.build_prompt(tokenizer, r["problem"]), add_special_tokens=False)["input_ids"]
+        answer = tokenizer(r["solution"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        seqs.append(prompt + answer)
+        starts.append(len(prompt))
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), tokenizer.pad_token_id, dtype=torch.long)  # (N, L)
+    labels = torch.full((len(seqs), L), -100, dtype=torch.long)  # (N, L)
+    attention = torch.zeros((len(seqs), L), dtype=torch.long)  # (N, L)
+    for i, (s, start) in enumerate(zip(seqs, starts)):
+        ids[i, :len(s)] = torch.tensor(s)
+        labels[i, start:len(s)] = ids[i, start:len(s)]
+        attention[i, :len(s)] = 1
+    return ids, labels, attention
+
+
+def sample_pass1(model, tokenizer, problems, n, max_new_tokens, seed):
+    """Mean reward of n samples per problem at T = 1.0 (pass@1 estimated from n samples), seeded."""
+    prompts = [pacs.build_prompt(tokenizer, p["problem"]) for p in problems]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        roll = pacs.sample(model, tokenizer, prompts, n, max_new_tokens, temperature=1.0, batch_prompts=0)
+    texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)
+    return pacs.reward_fn(texts, [p["answer"] for p in problems for _ in range(n)]).mean().item()
+
+
+def sft(model, tokenizer, rows, val, args, log):
+    """AdamW on the solutions' next-token loss, batches drawn by a seeded generator. Every args.check_every steps
+    the validation pass@1 (sample_pass1) is measured; SFT ends at the first check at or above args.target, and
+    the weights kept are those of that check or of the one before, whichever is closer to args.target (SFT's
+    pass@1 climbs steeply here: from 0.19 to 0.46 in 50 steps, seed 0). Returns (the kept check's step, its
+    validation pass@1)."""
+    ids, labels, attention = encode_sft(tokenizer, rows)  # (N, L) each
+    opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    gen = torch.Generator().manual_seed(args.seed)
+    check_rows = val[:args.check_problems]
+    kept, t0 = (0, 0.0, None), time.time()  # (step, validation pass@1, weights) of the last check
+    for step in range(1, args.max_sft_steps + 1):
+        # lr: linear warm-up over the first 100 steps, then constant
+        for g in opt.param_groups:
+            g["lr"] = args.sft_lr * min(1.0, step / 100)
+        idx = torch.randint(0, len(ids), (args.sft_batch,), generator=gen)  # (b,)
+        width = int(attention[idx].sum(1).max())  # trim the batch to its longest row
+        model.train()
+        loss = model(input_ids=ids[idx, :width], attention_mask=attention[idx, :width],
+                     labels=labels[idx, :width]).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % args.check_every == 0 or step == args.max_sft_steps:
+            model.eval()
+            val_pass1 = sample_pass1(model, tokenizer, check_rows, args.check_n, args.max_new_tokens, args.seed + step)
+            row = {"step": step, "loss": loss.item(), "val_pass1": val_pass1, "time": time.time() - t0}
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            print(f"[sft] step {step:5d} | loss {row['loss']:.4f} | val pass@1 {val_pass1:.3f} | "
+                  f"{row['time']:.0f}s", file=sys.stderr, flush=True)
+            if val_pass1 >= args.target:
+                if kept[2] is not None and abs(kept[1] - args.target) < abs(val_pass1 - args.target):
+                    model.load_state_dict(kept[2])
+                    print(f"[sft] kept step {kept[0]} (val pass@1 {kept[1]:.3f}, closer to {args.target})",
+                          file=sys.stderr)
+                    return kept[0], kept[1]
+                return step, val_pass1
+            kept = (step, val_pass1, {k: v.clone() for k, v in model.state_dict().items()})
+    return step, kept[1]
+
+
+def weights_sha(model):
+    """sha256 of the model's weights (names and bytes): a sweep records which lab its runs trained."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+# =====================================================================================================
+# Main
+# =====================================================================================================
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, help="the lab's directory (must not exist)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the problems, the initial weights and SFT's batches")
+    p.add_argument("--sft-problems", type=int, default=20000, help="worked solutions SFT trains on")
+    p.add_argument("--train-problems", type=int, default=6000, help="RL's prompts (150 steps x 32 = 4800 per run)")
+    p.add_argument("--val-problems", type=int, default=200, help="the learning-rate scan's and the stop's")
+    p.add_argument("--test-problems", type=int, default=200, help="the final pass@k's")
+    p.add_argument("--max-operand", type=int, default=9, help="the added and subtracted numbers: 1..this")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size (intermediate: 4x)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--sft-lr", type=float, default=1e-3, help="AdamW lr of SFT (after 100 warm-up steps)")
+    p.add_argument("--sft-batch", type=int, default=64, help="solutions per SFT step")
+    p.add_argument("--max-sft-steps", type=int, default=4000, help="SFT stops here if no check reached --target")
+    p.add_argument("--check-every", type=int, default=20, help="SFT steps between two validation checks")
+    p.add_argument("--check-problems", type=int, default=100, help="validation problems per check")
+    p.add_argument("--check-n", type=int, default=4, help="samples per problem per check")
+    p.add_argument("--target", type=float, default=0.3, help="SFT stops at the first check with validation "
+                   "pass@1 at or above this, and keeps that check's weights or the previous check's, the closer")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="response length limit of every sample")
+    p.add_argument("--eval-n", type=int, default=64, help="samples per test problem for the base model's pass@k")
+    return p.parse_args(argv)
+
+
+def check_args(args):
+    if os.path.exists(args.out):
+        raise LabError(f"--out {args.out} exists; the lab is built into a new directory")
+    for flag in ("max_operand", "sft_problems", "train_problems", "val_problems", "test_problems", "hidden", "layers",
+                 "heads",
+                 "sft_batch", "max_sft_steps", "check_every", "check_problems", "check_n", "max_new_tokens", "eval_n"):
+        if getattr(args, flag) < 1:
+            raise LabError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.hidden % args.heads:
+        raise LabError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    if not args.sft_lr > 0:
+        raise LabError(f"--sft-lr must be > 0, got {args.sft_lr}")
+    if not 0 < args.target <= 1:
+        raise LabError(f"--target must be in (0, 1], got {args.target}")
+
+
+def build(args):
+    t0 = time.time()
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    sizes = {"sft": args.sft_problems, "train": args.train_problems, "val": args.val_problems,
+             "test": args.test_problems}
+    splits = make_splits(args.seed, sizes, args.max_operand)
+    os.makedirs(args.out)
+    for split, rows in splits.items():
+        with open(os.path.join(args.out, f"{split}.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    tokenizer = make_tokenizer()
+    tokenizer.padding_side = "left"  # generate's side; encode_sft pads by hand
+    model = make_model(tokenizer, args.hidden, args.layers, args.heads, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"[lab] {len(tokenizer)} tokens, Qwen2ForCausalLM {args.layers} x {args.hidden}: {n_params:,} parameters; "
+          + ", ".join(f"{s} {len(r)}" for s, r in splits.items()), file=sys.stderr)
+    with open(os.path.join(args.out, "sft_log.jsonl"), "w") as log:
+        steps, val_pass1 = sft(model, tokenizer, splits["sft"], splits["val"], args, log)
+    model_dir = os.path.join(args.out, "model")
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    t_sft = time.time() - t0
+    # the base model's pass@k on the test split, by eval.py (the sweep reuses these files as its eval_base)
+    ks = ",".join(str(k) for k in range(1, args.eval_n + 1))
+    ev = pacs_eval.evaluate(pacs.parse_flags(pacs_eval.EvalConfig, "", [
+        "--model", model_dir, "--datasets", os.path.join(args.out, "test.jsonl"), "--n", str(args.eval_n),
+        "--k", ks, "--temperature", "1.0", "--top-p", "1.0", "--max-new-tokens", str(args.max_new_tokens),
+        "--batch-size", "1024", "--device", "cpu", "--out", os.path.join(args.out, "eval_base")]))
+    passk = ev["datasets"]["test"]["pass@k"]
+    summary = {"settings": vars(args), "sft_steps": steps, "val_pass1_at_stop": val_pass1,
+               "parameters": n_params, "vocab": len(tokenizer), "weights_sha256": weights_sha(model),
+               "sft_s": t_sft, "wall_s": time.time() - t0, "test_pass@k": {k: passk[k] for k in passk}}
+    with open(os.path.join(args.out, "lab.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    p1, p8, p64 = (passk.get(str(k)) for k in (1, 8, 64))
+    if not (0.15 <= p1 <= 0.5 and (p64 is None or p64 >= 0.8)):
+        print(f"[lab] warning: the base model is outside the lab's window (pass@1 in [0.15, 0.5], pass@64 >= 0.8)",
+              file=sys.stderr)
+    fmt = lambda k, v: f"pass@{k} -" if v is None else f"pass@{k} {v:.3f}"
+    print(f"[lab] {args.out}: {steps} SFT steps, {summary['wall_s']:.0f}s; base model on the test split at T = 1.0:")
+    print(f"{fmt(1, p1)}  {fmt(8, p8)}  {fmt(64, p64)}")
+    return summary
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        check_args(args)
+        build(args)
+    except (LabError, pacs.ConfigError) as e:
+        sys.exit(f"lab.py: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

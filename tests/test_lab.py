@@ -1,0 +1,206 @@
+"""experiments/lab.py: the task (splits disjoint by problem, every gold answer accepted by verify.py, near
+neighbours rejected, the skills every problem shares), the tokenizer (short sequences, the chat template,
+identical after a reload), and the builder at toy size: a directory pacs.py trains on and eval.py scores,
+the same bytes for the same seed, one-line errors for bad flags."""
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import lab  # noqa: E402
+import pacs  # noqa: E402
+from verify import verify  # noqa: E402
+
+SIZES = {"sft": 3000, "train": 1000, "val": 200, "test": 200}
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return lab.make_splits(0, SIZES)
+
+
+# ---- the task ---------------------------------------------------------------------------------------
+def test_splits_have_their_sizes_and_share_no_problem(splits):
+    assert {s: len(r) for s, r in splits.items()} == SIZES
+    problems = [r["problem"] for rows in splits.values() for r in rows]
+    assert len(set(problems)) == len(problems)  # no problem twice, within or across splits
+    ids = [r["id"] for rows in splits.values() for r in rows]
+    assert len(set(ids)) == len(ids)
+    assert all(set(r) == {"id", "problem", "answer", "solution", "source"} for rows in splits.values() for r in rows)
+
+
+def test_splits_are_a_function_of_the_seed(splits):
+    assert lab.make_splits(0, SIZES) == splits
+    assert lab.make_splits(1, SIZES)["test"] != splits["test"]
+
+
+def test_every_solution_is_correct_arithmetic_from_the_same_two_skills(splits):
+    # What is a+b-c?  ->  a+b=x \n x-c=\boxed{y}: a two-digit start, one-digit steps, each line from the last total
+    for r in (r for rows in splits.values() for r in rows):
+        expr = re.fullmatch(r"What is (\d\d)([+-])(\d)([+-])(\d)\?", r["problem"])
+        assert expr, r["problem"]
+        a, op1, b, op2, c = expr.groups()
+        x = int(a) + int(b) if op1 == "+" else int(a) - int(b)
+        y = x + int(c) if op2 == "+" else x - int(c)
+        assert 0 <= x and 0 <= y and r["answer"] == str(y) and r["source"] == lab.SOURCE
+        assert r["solution"] == f"{a}{op1}{b}={x}\n{x}{op2}{c}=\\boxed{{{y}}}"
+    # the skills are shared: every sign pattern, carries and borrows are common in each split
+    for rows in splits.values():
+        ops = [r["problem"][10] + r["problem"][12] for r in rows]
+        assert all(ops.count(o) > len(rows) / 8 for o in ("++", "+-", "-+", "--"))
+        carries = [int(r["problem"][9]) + int(r["problem"][11]) >= 10 for r in rows if r["problem"][10] == "+"]
+        assert 0.2 < sum(carries) / len(carries) < 0.8
+
+
+def test_verify_accepts_every_gold_answer(splits):
+    for r in (r for rows in splits.values() for r in rows):
+        assert verify(r["solution"], r["answer"]), r
+        assert verify(f"\\boxed{{{r['answer']}}}", r["answer"])
+
+
+def near_neighbours(answer, intermediate):
+    g = int(answer)
+    out = {g + 1, g - 1, g + 10, g - 10, 10 * g, g // 10, -g, int(str(g)[::-1]), int(str(g) + str(g)[-1]),
+           intermediate}
+    return sorted(out - {g})
+
+
+def test_verify_rejects_near_neighbours(splits):
+    checked = 0
+    for r in splits["test"] + splits["val"]:
+        intermediate = int(r["solution"].split("\n")[0].split("=")[1])
+        head = r["solution"].split("\\boxed")[0]
+        for wrong in near_neighbours(r["answer"], intermediate):
+            assert not verify(f"{head}\\boxed{{{wrong}}}", r["answer"]), (r, wrong)
+            checked += 1
+    assert checked > 3000
+
+
+def test_verify_takes_an_expression_equal_to_the_gold_as_right():
+    # not a near neighbour but the same value: verify.py reads \boxed{71-5} as 66. A policy that boxes the
+    # problem's own expression is paid for it; the sweep measures how often that happens (trend.py's
+    # boxed_expressions) instead of trusting it never does. Should verify.py ever refuse it, this test says so.
+    assert verify("63+8=71\n71-5=\\boxed{71-5}", "66") and verify("\\boxed{63+8-5}", "66")
+    assert not verify("\\boxed{63+8-4}", "66")
+
+
+# ---- the tokenizer ----------------------------------------------------------------------------------
+def test_tokenizer_keeps_sequences_short_and_survives_a_reload(splits, tmp_path):
+    tok = lab.make_tokenizer()
+    assert len(tok) < 32
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+    again = AutoTokenizer.from_pretrained(tmp_path)  # as pacs.load_model reloads it
+    for r in splits["test"]:
+        prompt = pacs.build_prompt(tok, r["problem"])
+        assert prompt.startswith("<|user|>What is") and prompt.endswith(pacs.PROMPT_SUFFIX + "<|assistant|>")
+        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        s_ids = tok(r["solution"], add_special_tokens=False)["input_ids"]
+        assert len(p_ids) == 12 and len(s_ids) <= 20  # + EOS: at most 21 tokens to write
+        assert tok.decode(s_ids) == r["solution"] and tok.decode(p_ids) == prompt
+        assert again(prompt, add_special_tokens=False)["input_ids"] == p_ids
+        assert again(r["solution"], add_special_tokens=False)["input_ids"] == s_ids
+        assert pacs.build_prompt(again, r["problem"]) == prompt
+
+
+# ---- the builder ------------------------------------------------------------------------------------
+TOY = ["--sft-problems", "64", "--train-problems", "64", "--val-problems", "16", "--test-problems", "8",
+       "--hidden", "32", "--layers", "1", "--heads", "2", "--max-sft-steps", "6", "--check-every", "3",
+       "--check-problems", "4", "--check-n", "2", "--eval-n", "4", "--max-new-tokens", "24"]
+
+
+@pytest.fixture(scope="module")
+def toy_lab(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("lab") / "lab")
+    return out, lab.build(lab.parse_args(["--out", out, "--seed", "3", *TOY]))
+
+
+def test_toy_build_writes_the_lab(toy_lab, capsys):
+    out, summary = toy_lab
+    for split, n in (("sft", 64), ("train", 64), ("val", 16), ("test", 8)):
+        with open(os.path.join(out, f"{split}.jsonl")) as f:
+            assert len([json.loads(line) for line in f]) == n
+    assert os.path.isfile(os.path.join(out, "model", "config.json"))
+    assert os.path.isfile(os.path.join(out, "eval_base", "metrics.json"))
+    with open(os.path.join(out, "lab.json")) as f:
+        saved = json.load(f)
+    assert saved["weights_sha256"] == summary["weights_sha256"] and len(saved["test_pass@k"]) == 4
+    with open(os.path.join(out, "sft_log.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [3, 6]  # --target is out of reach: every check ran
+
+
+def test_toy_build_prints_base_pass_at_k_last(tmp_path, capsys):
+    lab.main(["--out", str(tmp_path / "lab"), "--seed", "3", *TOY])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"pass@1 \d\.\d{3}  pass@8 -  pass@64 -", last), last
+
+
+def test_toy_build_is_deterministic_for_a_seed(toy_lab, tmp_path):
+    _, summary = toy_lab
+    again = lab.build(lab.parse_args(["--out", str(tmp_path / "again"), "--seed", "3", *TOY]))
+    other = lab.build(lab.parse_args(["--out", str(tmp_path / "other"), "--seed", "4", *TOY]))
+    assert again["weights_sha256"] == summary["weights_sha256"]
+    assert again["test_pass@k"] == summary["test_pass@k"]
+    assert other["weights_sha256"] != summary["weights_sha256"]
+
+
+@pytest.mark.parametrize("checks, kept", [([0.1, 0.2, 0.45, 0.5], 2), ([0.1, 0.26, 0.33, 0.5], 3),
+                                          ([0.1, 0.28, 0.33, 0.5], 2),
+                                          ([0.35, 0.5], 1)])
+def test_sft_keeps_the_check_closest_to_the_target(monkeypatch, checks, kept):
+    """SFT ends at the first check >= --target (0.3) and keeps that check's weights or the previous one's."""
+    splits = lab.make_splits(0, {"sft": 32, "train": 1, "val": 4, "test": 1})
+    args = lab.parse_args(["--out", "unused", *TOY, "--check-every", "2", "--max-sft-steps", "20"])
+    tok = lab.make_tokenizer()
+    model = lab.make_model(tok, 32, 1, 2, 0)
+    script, weights = iter(checks), {}
+
+    def fake_pass1(model, *_):
+        weights[len(weights) + 1] = {k: v.clone() for k, v in model.state_dict().items()}
+        return next(script)
+
+    monkeypatch.setattr(lab, "sample_pass1", fake_pass1)
+    import io
+    log = io.StringIO()
+    step, val = lab.sft(model, tok, splits["sft"], splits["val"], args, log)
+    assert (step, val) == (2 * kept, checks[kept - 1])
+    assert len(log.getvalue().splitlines()) == len(weights) == min(len(checks), next(
+        i + 1 for i, v in enumerate(checks) if v >= 0.3))  # no check after the first at the target
+    state = model.state_dict()
+    assert all(torch.equal(state[k], weights[kept][k]) for k in state)
+
+
+def test_pacs_trains_on_the_toy_lab(toy_lab, tmp_path):
+    out, _ = toy_lab
+    run = tmp_path / "run"
+    pacs.main(["--model", os.path.join(out, "model"), "--dataset", os.path.join(out, "train.jsonl"),
+               "--steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--num-mini-batches", "2",
+               "--max-new-tokens", "24", "--lr", "1e-3", "--eval-every", "0", "--device", "cpu",
+               "--out-dir", str(run)])
+    with open(run / "metrics.jsonl") as f:
+        (row,) = [json.loads(line) for line in f]
+    assert row["step"] == 0 and row["psi_std"] > 0 and row["grad_norm"] > 0  # mini-batch 1 moved off pi_old
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--hidden", "30", "--heads", "4"], "--hidden 30 is not divisible by --heads 4"),
+    (["--eval-n", "0"], "--eval-n must be at least 1"),
+    (["--target", "1.5"], "--target must be in (0, 1]"),
+])
+def test_bad_flags_are_one_line_errors(tmp_path, flags, message):
+    with pytest.raises(SystemExit) as e:
+        lab.main(["--out", str(tmp_path / "lab"), *flags])
+    assert str(e.value).startswith("lab.py: error: ") and message in str(e.value) and "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "lab")
+
+
+def test_an_existing_out_is_refused(tmp_path):
+    (tmp_path / "lab").mkdir()
+    with pytest.raises(SystemExit) as e:
+        lab.main(["--out", str(tmp_path / "lab")])
+    assert str(e.value) == f"lab.py: error: --out {tmp_path / 'lab'} exists; the lab is built into a new directory"
