@@ -844,7 +844,7 @@ def parse_args(argv=None):
     return args
 
 
-# The lab (experiments/lab.py): the schedule. 32 prompts x G = 8 per step, M = 4 (8 prompts per mini-batch),
+# The lab (experiments/lab.py): the sweep's schedule. 32 prompts x G = 8 per step, M = 4 (8 prompts per mini-batch),
 # 150 rollout steps (600 optimizer steps); pass@k for k = 1..64 on the 200 test problems at the training temperature;
 # every mini-batch in one forward (64 rows), on the CPU.
 LAB_PRESET = {"prompts": 32, "group_size": 8, "num_mini_batches": 4, "steps": 150, "max_new_tokens": 32,

@@ -374,7 +374,7 @@ SUMMARY_RUN_KEYS = {"method", "seed", "pass@1", "pass@64", "final_reward", "fina
 
 
 def check_summary_schema(summary):
-    """The issue's schema of docs/lab/summary.json (and a few more settings): the keys and their types."""
+    """The schema of docs/lab/summary.json (and a few more settings): the keys and their types."""
     assert set(summary) == {"settings", "runs", "axis", "wall_s"}
     settings = summary["settings"]
     for key in ("prompts", "group_size", "num_mini_batches", "steps", "max_new_tokens", "eval_n"):
