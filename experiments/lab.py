@@ -98,8 +98,8 @@ def make_splits(seed, sizes, max_operand=9):
 # The tokenizer: one token per character, and one each for the problem's opening, the prompt's instruction
 # and \boxed{; a chat template, so pacs.build_prompt formats the lab's prompts as it does Qwen's
 # =====================================================================================================
-def _bytes_to_unicode():
-    """GPT-2's byte -> printable unicode map used by byte-level BPE (bytes, chars)."""
+def byte_level_chars():
+    """GPT-2's byte -> printable character map that byte-level BPE uses: {byte: char}."""
     bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
           + list(range(ord("®"), ord("ÿ") + 1)))
     cs, n = bs[:], 0
@@ -108,7 +108,7 @@ def _bytes_to_unicode():
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return bs, [chr(c) for c in cs]
+    return dict(zip(bs, map(chr, cs)))
 
 
 def make_tokenizer():
@@ -116,7 +116,7 @@ def make_tokenizer():
     tokenizer), the words WHAT_IS, pacs.PROMPT_SUFFIX and BOX as added tokens, and the chat template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    byte_char = dict(zip(*_bytes_to_unicode()))
+    byte_char = byte_level_chars()
     vocab = {tok: i for i, tok in enumerate(SPECIALS + [byte_char[ord(c)] for c in CHARS])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

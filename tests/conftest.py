@@ -8,6 +8,8 @@ import pytest
 from hypothesis import settings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+from lab import byte_level_chars  # noqa: E402  (GPT-2's byte -> character map, as the lab's tokenizer uses it)
 
 # Property tests draw the same examples on every default run (derandomized: seeded by each test's own
 # source; no example database), so red means a change broke something. The fuzz run searches hard with
@@ -23,25 +25,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def _bytes_to_unicode():
-    """GPT-2's byte -> printable unicode map used by byte-level BPE (bytes, chars)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return bs, [chr(c) for c in cs]
-
-
 def make_tokenizer(chars=None):
     """A character-level byte-level-BPE tokenizer with a chat template: every printable ASCII char is one
     token. Byte-level (space -> 'Ġ') because transformers reloads a Qwen2 model's tokenizer as byte-level BPE."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    byte_char = {b: c for b, c in zip(*_bytes_to_unicode())}
+    byte_char = byte_level_chars()
     chars = string.printable if chars is None else chars
     chars = sorted({byte_char[ord(c)] for c in chars if c not in "\x0b\x0c\r"})
     vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
