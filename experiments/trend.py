@@ -668,6 +668,15 @@ SUMMARY_SETTINGS = ("prompts", "group_size", "num_mini_batches", "steps", "max_n
                     "eval_n", "eval_temperature", "eval_top_p", "eval_max_new_tokens", "lab_weights_sha256")
 
 
+def lab_results(runs_root, prefix):
+    """Every result file under runs_root/<prefix>*/, read, in directory and file-name order."""
+    for d in sorted(os.listdir(runs_root)) if os.path.isdir(runs_root) else []:
+        if d.startswith(prefix) and os.path.isdir(os.path.join(runs_root, d)):
+            for fname in sorted(os.listdir(os.path.join(runs_root, d))):
+                if fname.endswith(".json"):
+                    yield read_result(os.path.join(runs_root, d, fname))
+
+
 def lab_summary(runs_root, prompts=32, last=10):
     """docs/lab/summary.json's content from the result files under runs_root: settings (the schedule, each method's
     lr and pacs.py flags, the seeds), runs (every method at `prompts` prompts per step: pass@1, pass@64, the final
@@ -675,12 +684,8 @@ def lab_summary(runs_root, prompts=32, last=10):
     (pacs and pacs-critic-off at every prompts per step swept: prompts per mini-batch, critic AUC, pass@1) and
     wall_s (the runs' wall time, summed)."""
     groups = {}
-    for d in sorted(os.listdir(runs_root)) if os.path.isdir(runs_root) else []:
-        if d.startswith("test-p") and os.path.isdir(os.path.join(runs_root, d)):
-            for fname in sorted(os.listdir(os.path.join(runs_root, d))):
-                if fname.endswith(".json"):
-                    r = read_result(os.path.join(runs_root, d, fname))
-                    groups.setdefault(r["settings"]["prompts"], []).append(r)
+    for r in lab_results(runs_root, "test-p"):
+        groups.setdefault(r["settings"]["prompts"], []).append(r)
     if prompts not in groups:
         raise SweepError(f"no result file for --prompts {prompts} under {runs_root}/test-p*/")
     main_runs = sorted(groups[prompts], key=lambda r: (r["method"], r["seed"]))
@@ -755,13 +760,9 @@ def lab_scan(runs_root):
     """The learning-rate scan from the result files in runs_root/val-p*-lr*/: {"pass@1": {method: {lr: [validation
     pass@1 per seed]}}, "choice": {method: the lr of the highest mean}} (ties: the smaller lr)."""
     table = {}
-    for d in sorted(os.listdir(runs_root)) if os.path.isdir(runs_root) else []:
-        if d.startswith("val-p") and os.path.isdir(os.path.join(runs_root, d)):
-            for fname in sorted(os.listdir(os.path.join(runs_root, d))):
-                if fname.endswith(".json"):
-                    r = read_result(os.path.join(runs_root, d, fname))
-                    table.setdefault(r["method"], {}).setdefault(r["settings"]["lr"], []).append(
-                        next(iter(r["eval"].values()))["1"])
+    for r in lab_results(runs_root, "val-p"):
+        table.setdefault(r["method"], {}).setdefault(r["settings"]["lr"], []).append(
+            next(iter(r["eval"].values()))["1"])
     if not table:
         raise SweepError(f"no scan result under {runs_root}/val-p*-lr*/")
     choice = {m: max(sorted(by_lr), key=lambda lr: float(np.mean(by_lr[lr]))) for m, by_lr in table.items()}
