@@ -133,7 +133,8 @@ def make_tokenizer():
 # =====================================================================================================
 def make_model(tokenizer, hidden, layers, heads, seed, intermediate=0):
     """A randomly initialised Qwen2ForCausalLM over the lab's tokenizer (tied embeddings, seeded; MLP width
-    intermediate, 0: 2 x hidden), eager attention (on the CPU at these sizes it is faster than SDPA)."""
+    intermediate, 0: 2 x hidden), eager attention for SFT. The saved config does not pin it: pacs.py and eval.py
+    reload the model with transformers' default (SDPA), which a lab step measured the same as eager within noise."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
