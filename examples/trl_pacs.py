@@ -329,6 +329,10 @@ def main(argv=None):
                           processing_class=tokenizer, callbacks=[metrics_logger(metrics_path)])
     trainer.remove_callback(PrinterCallback)  # its raw dict per step; the line above says the same, shorter
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    # under `accelerate launch`, destroy the process group while Python is alive: left to interpreter teardown,
+    # gloo's worker threads can abort the process after a finished run ("terminate called without an active exception")
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     return trainer
 
 

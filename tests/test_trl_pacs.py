@@ -124,7 +124,7 @@ def test_shuffle_groups_keeps_groups_whole():
 def test_config_refuses_settings_that_break_pacs(tmp_path, overrides, message):
     from trl_pacs import PACSConfig
     kwargs = {"output_dir": str(tmp_path), "use_cpu": True, "bf16": False, "report_to": "none",
-              "num_generations": G, "per_device_train_batch_size": G, **overrides}
+              "activation_checkpointing": False, "num_generations": G, "per_device_train_batch_size": G, **overrides}
     with pytest.raises(ValueError, match=message):
         PACSConfig(**kwargs)
 

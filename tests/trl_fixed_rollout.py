@@ -126,7 +126,7 @@ def run_trl(model_dir, table, problems, group_size, per_device, grad_accum, num_
                         num_generations=group_size, per_device_train_batch_size=per_device,
                         gradient_accumulation_steps=grad_accum, num_mini_batches=num_mini_batches,
                         max_steps=num_mini_batches, max_completion_length=64, learning_rate=lr,
-                        gradient_checkpointing=False)
+                        activation_checkpointing=False)
     opt = RecordingSGD(model.parameters(), lr)
     trainer = PACSTrainer(model=model, reward_funcs=reward, args=config, train_dataset=ds, processing_class=tokenizer,
                           optimizers=(opt, None))
@@ -168,6 +168,10 @@ def main():
     if trainer.accelerator.is_main_process:
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         torch.save({"grads": grads, "num_processes": trainer.accelerator.num_processes, "backend": backend}, args.out)
+    # gloo's worker threads outlive a process group left to interpreter teardown, which then aborts at random
+    # ("terminate called without an active exception", SIGABRT): destroy it while Python is alive, on every rank
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
