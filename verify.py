@@ -342,6 +342,7 @@ def _unboxed(s: str):
     bare = s.strip()  # a bare answer, one line of math without words: `(2,9)or(9,2)`, `\frac{1}{2}`, `x = 5`
     if (len(bare) <= 200 and re.search(r"\d", bare) and not re.search(r"[\n$]|\\[(\[]|[^\x00-\x7f−×·÷√π≤≥≠∪±∞°]", bare)
             and not re.search(r"[A-Za-z]{3,}", re.sub(r"\\[a-zA-Z]+", " ", bare))):
+        bare = re.sub(r"\s+is\s+", " = ", bare)  # `12 + 13 is 25` states 25, as `12 + 13 = 25` does
         return _after_last_equals(re.sub(r"(?<!\.)\.$", "", bare)).strip() or None
     spans = [m for m in _SPAN.finditer(s) if not _currency_prose(next(g for g in m.groups() if g is not None))]
     nums = list(_VALUE.finditer(s))  # `所以每人分到 \frac{3}{7} 千克` ends in 3/7, not 7

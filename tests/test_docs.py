@@ -78,3 +78,12 @@ def test_the_file_tables_line_counts_are_current():
         else:
             got = lines(name)
         assert int(stated.replace(",", "")) == got, f"README says {name} has {stated} lines, it has {got}"
+
+
+@pytest.mark.parametrize("page", PAGES + [os.path.join("docs", "lab", "README.md")])
+def test_pages_hold_no_control_characters(page):
+    """A page written from a Python string without r"" loses its backslashes to escapes (`\\frac` became a form
+    feed and `rac`): no control character but tab and newline belongs in Markdown."""
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        bad = [(n, line) for n, line in enumerate(f, 1) if re.search(r"[\x00-\x08\x0b-\x1f\x7f]", line)]
+    assert not bad, f"{page}:{bad[0][0]}: a control character in {bad[0][1]!r}"

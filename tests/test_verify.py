@@ -129,10 +129,20 @@ def test_trap_is_false(response, gold):
     ("Answer $ \\frac{3}{4} \\$ = \\frac{5}{2} $", "\\frac{5}{2}"),  # `\$` does not close the span
     ("(2,9)or(9,2)", "(2,9)or(9,2)"), ("(1, 2)", "(1, 2)"), ("\\sqrt{2}", "\\sqrt{2}"),  # a bare answer is read whole
     ("Answer 42", "42"), ("x2y = 7", "7"),  # ... only without words and names (the last number otherwise)
+    ("0 + 8 is 8", "8"), ("so 12 + 13 is 25.", "25"),  # ... where `is` states a result as `=` does
+    ("0 + 8 = ?", "?"),  # ... and a question restated answers nothing
     (None, None),
 ])
 def test_extract_answer(response, expected):
     assert verify.extract_answer(response) == expected
+
+
+def test_a_one_line_sum_stated_with_is():
+    """The quickstart's synthetic task answers in one line: `0 + 8 is 8` states 8 (a bare line read whole would
+    compare `0 + 8 is 8` with 8 and reject it), `0 + 8 is 9` states 9, and `0 + 8 = ?` states nothing."""
+    assert verify.verify("0 + 8 is 8", "8") and verify.verify("12 + 13 is 25", "25")
+    assert not verify.verify("0 + 8 is 9", "8") and not verify.verify("0 + 8 is 8", "0")
+    assert not verify.verify("0 + 8 = ?", "8")
 
 
 def test_plural_cue_states_every_answer():
