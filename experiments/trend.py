@@ -130,6 +130,17 @@ def t_interval(values, level=0.95):
     return (float(x.mean()), float(x.mean() - half), float(x.mean() + half))
 
 
+def smallest_detectable(diffs, level=0.95, power=0.8):
+    """The smallest true mean paired difference a two-sided paired t-test at `level` detects with probability
+    `power`, given the spread of these differences: (t_{(1+level)/2, n-1} + t_{power, n-1}) * s / sqrt(n), the
+    usual approximation (it takes s as known). nan with fewer than 2 differences."""
+    d = np.asarray(diffs, dtype=float)  # (n,)
+    if len(d) < 2:
+        return math.nan
+    n = len(d)
+    return (t_quantile((1 + level) / 2, n - 1) + t_quantile(power, n - 1)) * d.std(ddof=1) / math.sqrt(n)
+
+
 def paired_differences(a, b):
     """Seeds both runs have, and a[seed] - b[seed] for each: the comparison is within a seed, where both
     methods saw the same prompts in the same order, so the seed-to-seed spread cancels."""
@@ -473,7 +484,7 @@ def statistics(args, runs):
             seeds, d = paired_differences(by_m[a], by_m[b])
             boot, t = bootstrap_interval(d), t_interval(d)
             claims.append({"a": a, "b": b, "metric": name, "seeds": seeds, "diffs": d.tolist(),
-                           "mean_ci95_bootstrap": boot, "mean_ci95_t": t,
+                           "mean_ci95_bootstrap": boot, "mean_ci95_t": t, "detectable_80": smallest_detectable(d),
                            "sentence": claim_sentence(a, b, name, len(d), boot, t)})
     return {"values": values, "per_method": per_method, "claims": claims, "critic": critic_statistics(runs)}
 
@@ -551,12 +562,16 @@ def write_summary(args, runs, missing, stats, base):
         lines.append(f"| {method} | {len(by_seed)} | " + " | ".join(
             fmt_ci(stats["per_method"][n][method]["mean_ci95_t"]) for n in names) + " |")
     if stats["claims"]:
-        lines += ["", "## Paired by seed", "", "| difference | metric | seeds | mean | 95% bootstrap | 95% t |",
-                  "|---|---|---:|---:|---:|---:|"]
+        lines += ["", "## Paired by seed", "", "Detectable: the smallest true difference a paired t-test at 5% finds "
+                  "4 times in 5, given the spread of these differences.", "",
+                  "| difference | metric | seeds | mean | 95% bootstrap | 95% t | detectable |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
         for c in stats["claims"]:
             b, t = c["mean_ci95_bootstrap"], c["mean_ci95_t"]
             ci = lambda s: "-" if math.isnan(s[1]) else f"[{s[1]:+.3f}, {s[2]:+.3f}]"
-            lines.append(f"| {c['a']} - {c['b']} | {c['metric']} | {len(c['seeds'])} | {b[0]:+.3f} | {ci(b)} | {ci(t)} |")
+            det = "-" if math.isnan(c["detectable_80"]) else f"{c['detectable_80']:.3f}"
+            lines.append(f"| {c['a']} - {c['b']} | {c['metric']} | {len(c['seeds'])} | {b[0]:+.3f} | {ci(b)} | {ci(t)} "
+                         f"| {det} |")
         lines += ["", "## What the intervals say", ""] + [f"- {c['sentence']}" for c in stats["claims"]]
     if stats["critic"]:
         names = [("critic_auc", "critic AUC (pooled pairs)")] + CRITIC_KEYS
@@ -713,8 +728,29 @@ def lab_summary(runs_root, prompts=32, last=10):
     axis = [{"prompts_per_mini_batch": p // r["settings"]["num_mini_batches"], **{k: e[k] for k in (
         "method", "seed", "critic_auc", "pass@1")}} for p in sorted(groups) for r in groups[p]
         if r["method"] in AXIS_METHODS for e in [entry(r)]]
-    return {"settings": settings, "runs": [entry(r) for r in main_runs], "axis": axis,
+    runs = [entry(r) for r in main_runs]
+    paired = [paired_entry(runs, a, b, metric, prompts // first["num_mini_batches"])
+              for a, b in CLAIMS for metric in ("pass@1", "pass@64")]
+    paired += [paired_entry([e for e in axis if e["prompts_per_mini_batch"] == ppm], "pacs", "pacs-critic-off", metric, ppm)
+               for ppm in sorted({e["prompts_per_mini_batch"] for e in axis}) if ppm != prompts // first["num_mini_batches"]
+               for metric in ("pass@1",)]
+    return {"settings": settings, "runs": runs, "axis": axis, "paired": [p for p in paired if p["seeds"]],
             "wall_s": round(sum(r["wall_s"] for rs in groups.values() for r in rs), 1)}
+
+
+def paired_entry(entries, a, b, metric, prompts_per_mini_batch):
+    """a - b in `metric`, paired by seed over the entries (summary runs or axis points): the mean, its 95% t- and
+    bootstrap intervals, and the smallest difference this many seeds could detect (80% power); None for nan."""
+    by = {}
+    for e in entries:
+        if e.get(metric) is not None:
+            by.setdefault(e["method"], {})[e["seed"]] = e[metric]
+    seeds, d = paired_differences(by.get(a, {}), by.get(b, {}))
+    clean = lambda x: None if math.isnan(x) else round(float(x), 5)
+    t, boot = t_interval(d), bootstrap_interval(d)
+    return {"prompts_per_mini_batch": prompts_per_mini_batch, "a": a, "b": b, "metric": metric, "seeds": len(seeds),
+            "mean": clean(t[0]), "ci95_t": [clean(t[1]), clean(t[2])], "ci95_bootstrap": [clean(boot[1]), clean(boot[2])],
+            "detectable_80": clean(smallest_detectable(d))}
 
 
 def plot_axis(summary, path):

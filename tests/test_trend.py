@@ -34,6 +34,22 @@ def test_t_interval_is_mean_plus_minus_t_times_standard_error():
     assert one[0] == 0.4 and math.isnan(one[1]) and math.isnan(one[2])
 
 
+def test_smallest_detectable_difference():
+    """(t_{0.975, n-1} + t_{0.8, n-1}) s / sqrt(n): at n = 3 both quantiles have closed forms; and a difference
+    of that size, tested by a paired t-test at 5% on normal samples of the same spread, is found about 4 times in 5."""
+    x = [0.2, 0.5, 0.6]
+    q = lambda p: (2 * p - 1) / math.sqrt(2 * p * (1 - p))  # df = 2
+    assert trend.smallest_detectable(x) == pytest.approx((q(0.975) + q(0.8)) * np.std(x, ddof=1) / math.sqrt(3), rel=1e-7)
+    assert math.isnan(trend.smallest_detectable([0.1]))
+    n, rng = 16, np.random.default_rng(0)
+    spread_1 = np.linspace(-1, 1, n) / np.std(np.linspace(-1, 1, n), ddof=1)  # (n,): sample standard deviation 1
+    delta = trend.smallest_detectable(spread_1)
+    crit = trend.t_quantile(0.975, n - 1)
+    samples = rng.standard_normal((4000, n)) + delta  # (sims, n): differences of spread 1 and mean delta
+    t = samples.mean(1) / (samples.std(1, ddof=1) / math.sqrt(n))
+    assert 0.75 < float(np.mean(np.abs(t) > crit)) < 0.85
+
+
 def test_paired_bootstrap_cancels_the_seed_spread():
     # seeds differ a lot (0.1 .. 0.9), but a beats b by exactly 0.1 at every seed: pairing sees only the 0.1
     b = {s: 0.1 + 0.16 * s for s in range(6)}
@@ -375,7 +391,7 @@ SUMMARY_RUN_KEYS = {"method", "seed", "pass@1", "pass@64", "final_reward", "fina
 
 def check_summary_schema(summary):
     """The schema of docs/lab/summary.json (and a few more settings): the keys and their types."""
-    assert set(summary) == {"settings", "runs", "axis", "wall_s"}
+    assert set(summary) == {"settings", "runs", "axis", "paired", "wall_s"}
     settings = summary["settings"]
     for key in ("prompts", "group_size", "num_mini_batches", "steps", "max_new_tokens", "eval_n"):
         assert isinstance(settings[key], int) and settings[key] >= 1, key
@@ -394,6 +410,11 @@ def check_summary_schema(summary):
     for a in summary["axis"]:
         assert set(a) == {"prompts_per_mini_batch", "method", "seed", "critic_auc", "pass@1"}
         assert a["method"] in trend.AXIS_METHODS and isinstance(a["prompts_per_mini_batch"], int)
+    for p in summary["paired"]:
+        assert set(p) == {"prompts_per_mini_batch", "a", "b", "metric", "seeds", "mean", "ci95_t", "ci95_bootstrap",
+                          "detectable_80"}
+        assert p["seeds"] >= 1 and p["metric"] in ("pass@1", "pass@64") and len(p["ci95_t"]) == 2
+        assert p["seeds"] == 1 or p["ci95_t"][0] <= p["mean"] <= p["ci95_t"][1]
     assert isinstance(summary["wall_s"], float) and summary["wall_s"] >= 0
 
 
@@ -412,6 +433,14 @@ def test_lab_summary_follows_the_schema(tmp_path, monkeypatch):
     assert pacs1["pass@1"] == pytest.approx(0.55) and pacs1["final_reward"] == pytest.approx(0.25)
     assert pacs1["critic_auc"] == pytest.approx(0.55) and pacs1["pass@64"] is None  # the fake eval has n = 4
     assert next(r for r in summary["runs"] if r["method"] == "grpo")["critic_auc"] is None
+    # paired by seed: the sweep's claims at 2 prompts per mini-batch (pass@64 is None here), the axis's other point
+    assert [(p["prompts_per_mini_batch"], p["b"], p["metric"], p["seeds"]) for p in summary["paired"]] == [
+        (2, "pacs-critic-off", "pass@1", 3), (2, "grpo", "pass@1", 3), (1, "pacs-critic-off", "pass@1", 3)]
+    by_seed = {(r["method"], r["seed"]): r["pass@1"] for r in summary["runs"]}
+    d = [by_seed["pacs", s] - by_seed["grpo", s] for s in range(3)]
+    grpo = summary["paired"][1]
+    assert grpo["mean"] == pytest.approx(np.mean(d), abs=1e-5)
+    assert grpo["detectable_80"] == pytest.approx(trend.smallest_detectable(d), abs=1e-5)
     # and the same through the command line
     trend.main(_argv(tmp_path / "out8", "--methods", "pacs", "pacs-critic-off", "grpo", "--prompts", "8",
                      "--results", str(runs / "test-p8"), "--summary-json", str(tmp_path / "summary.json")))
