@@ -611,7 +611,9 @@ def plot(args, runs, base):
     import matplotlib.pyplot as plt
     prefix = args.figure_prefix or os.path.join(args.out, "trend")
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    title = (f"{os.path.basename(args.model)}, {args.dataset}, {args.prompts}x{args.group_size} samples/step, "
+    what = (f"the lab, {args.split} split" if args.lab else
+            f"{os.path.basename(args.model)}, {os.path.basename(args.dataset)}")
+    title = (f"{what}, {args.prompts}x{args.group_size} samples/step, "
              f"M = {args.num_mini_batches}, {args.steps} steps; mean over seeds, 95% t-interval shaded")
 
     datasets = list(next(iter(next(iter(runs.values())).values()))["eval"])
@@ -806,13 +808,25 @@ def lab_scan(runs_root):
             "choice": choice}
 
 
+def base_pass_at_k(args):
+    """{dataset: {k: pass@k}} of the base model: its eval in --out, else (a lab sweep summarised from the committed
+    result files on a fresh machine) the test pass@k that lab.py measured; None when neither exists."""
+    base_path = os.path.join(args.out, "eval_base")
+    if os.path.isfile(os.path.join(base_path, "metrics.json")):
+        return read_eval(base_path)
+    if args.lab and args.split == "test":
+        with open(os.path.join(args.lab, "lab.json")) as f:
+            measured = json.load(f).get("test_pass@k")
+        return {"test": {int(k): v for k, v in measured.items()}} if measured else None
+    return None
+
+
 def summarize(args):
     runs, missing = collect(args)
     if not runs:
         raise SweepError(f"no finished run in {args.out} yet (missing: {', '.join(missing)})")
     os.makedirs(args.out, exist_ok=True)  # --results alone (a fresh machine) has no --out yet
-    base_path = os.path.join(args.out, "eval_base")
-    base = read_eval(base_path) if os.path.isfile(os.path.join(base_path, "metrics.json")) else None
+    base = base_pass_at_k(args)
     stats = statistics(args, runs)
     print(write_summary(args, runs, missing, stats, base))
     for path in plot(args, runs, base):

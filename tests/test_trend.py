@@ -357,6 +357,21 @@ def _fake_lab(path, n_train=40):
     return str(path)
 
 
+def test_a_lab_sweep_without_its_base_eval_reads_the_base_pass_at_k_from_lab_json(tmp_path):
+    lab = _fake_lab(tmp_path / "lab")
+    args = trend.parse_args(["--lab", lab, "--out", str(tmp_path / "out")])
+    trend.check_args(args)
+    assert trend.base_pass_at_k(args) is None  # lab.json without test_pass@k
+    (tmp_path / "lab" / "lab.json").write_text(json.dumps({"test_pass@k": {"1": 0.3, "2": 0.45}}))
+    assert trend.base_pass_at_k(args) == {"test": {1: 0.3, 2: 0.45}}
+    val = trend.parse_args(["--lab", lab, "--out", str(tmp_path / "out"), "--split", "val"])
+    trend.check_args(val)
+    assert trend.base_pass_at_k(val) is None  # lab.py measured the test split only
+    (tmp_path / "out" / "eval_base").mkdir(parents=True)  # an eval in --out wins
+    (tmp_path / "out" / "eval_base" / "metrics.json").write_text(json.dumps({"datasets": {"test": {"pass@k": {"1": 0.31}}}}))
+    assert trend.base_pass_at_k(args) == {"test": {1: 0.31}}
+
+
 def test_lab_preset_fills_the_flags_left_unset(tmp_path):
     lab = _fake_lab(tmp_path / "lab")
     args = trend.parse_args(["--lab", lab])
