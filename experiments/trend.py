@@ -727,15 +727,15 @@ def lab_summary(runs_root, prompts=32, last=10):
                                     for m in methods},
                      "seeds": {m: sorted(r["seed"] for r in main_runs if r["method"] == m) for m in methods},
                      "final_mean_of_last_steps": last})
+    entries = {p: [entry(r) for r in rs] for p, rs in groups.items()}  # each result file's row, computed once
+    runs = sorted(entries[prompts], key=lambda e: (e["method"], e["seed"]))
     axis = [{"prompts_per_mini_batch": p // r["settings"]["num_mini_batches"], **{k: e[k] for k in (
-        "method", "seed", "critic_auc", "pass@1")}} for p in sorted(groups) for r in groups[p]
-        if r["method"] in AXIS_METHODS for e in [entry(r)]]
-    runs = [entry(r) for r in main_runs]
-    paired = [paired_entry(runs, a, b, metric, prompts // first["num_mini_batches"])
-              for a, b in CLAIMS for metric in ("pass@1", "pass@64")]
-    paired += [paired_entry([e for e in axis if e["prompts_per_mini_batch"] == ppm], "pacs", "pacs-critic-off", metric, ppm)
-               for ppm in sorted({e["prompts_per_mini_batch"] for e in axis}) if ppm != prompts // first["num_mini_batches"]
-               for metric in ("pass@1",)]
+        "method", "seed", "critic_auc", "pass@1")}} for p in sorted(groups) for r, e in zip(groups[p], entries[p])
+        if r["method"] in AXIS_METHODS]
+    swept = prompts // first["num_mini_batches"]  # the sweep's prompts per mini-batch: its claims, both metrics
+    paired = [paired_entry(runs, a, b, metric, swept) for a, b in CLAIMS for metric in ("pass@1", "pass@64")]
+    paired += [paired_entry([e for e in axis if e["prompts_per_mini_batch"] == ppm], "pacs", "pacs-critic-off",
+                            "pass@1", ppm) for ppm in sorted({e["prompts_per_mini_batch"] for e in axis} - {swept})]
     return {"settings": settings, "runs": runs, "axis": axis, "paired": [p for p in paired if p["seeds"]],
             "wall_s": round(sum(r["wall_s"] for rs in groups.values() for r in rs), 1)}
 
@@ -915,7 +915,8 @@ def lab_defaults(first, argv):
     # one forward per mini-batch up to 64 rows (8 prompts x 8); 1 prompt per mini-batch: 8 rows
     rows = prompts // first.num_mini_batches * first.group_size
     micro = max([m for m in (64, 32, 16, 8) if rows % m == 0] or [first.group_size])
-    return {**LAB_PRESET, "pacs_args": f"--micro-batch-size {micro} --device cpu", "model": os.path.join(lab, "model"), "dataset": os.path.join(lab, "train.jsonl"),
+    return {**LAB_PRESET, "pacs_args": f"--micro-batch-size {micro} --device cpu", "model": os.path.join(lab, "model"),
+            "dataset": os.path.join(lab, "train.jsonl"),
             "eval_datasets": os.path.join(lab, f"{first.split}.jsonl"),
             "out": os.path.join(ROOT, "experiments", "out_lab", name), "results": os.path.join(ROOT, "docs", "lab",
                                                                                               "results", name)}
