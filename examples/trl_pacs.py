@@ -309,10 +309,8 @@ def main(argv=None):
     parser = HfArgumentParser((ScriptArguments, PACSConfig))
     on_gpu = torch.cuda.is_available()
     # CPU-friendly defaults (any flag overrides them): fp32, no activation checkpointing, a log line per step
-    checkpointing = "activation_checkpointing" if "activation_checkpointing" in PACSConfig.__dataclass_fields__ \
-        else "gradient_checkpointing"  # transformers 5 renamed it
     parser.set_defaults(output_dir="runs/trl_pacs", bf16=on_gpu, use_cpu=not on_gpu, report_to="none",
-                        logging_steps=1, disable_tqdm=True, **{checkpointing: on_gpu})
+                        logging_steps=1, disable_tqdm=True, activation_checkpointing=on_gpu)
     script, config = parser.parse_args_into_dataclasses(args=argv)
     try:
         model_dir = pacs.resolve_model_path(script.model)
