@@ -540,8 +540,11 @@ def fmt_ci(stat):
 
 def write_summary(args, runs, missing, stats, base):
     names = list(stats["values"])
+    lrs = {m: method_lr(args, m) for m in runs}  # --method-lr entries, else --lr
+    lr = f"{args.lr:g}" if not lrs else (f"{next(iter(lrs.values())):g}" if len(set(lrs.values())) == 1
+                                         else ", ".join(f"{m} {v:g}" for m, v in lrs.items()))
     lines = [f"# Trend: {args.model} on {args.dataset}, {args.prompts} prompts x {args.group_size} samples per "
-             f"step, M = {args.num_mini_batches}, {args.steps} steps, lr {args.lr}", "",
+             f"step, M = {args.num_mini_batches}, {args.steps} steps, lr {lr}", "",
              f"Held-out: {args.eval_datasets}, {args.eval_problems or 'all'} problems x {args.eval_n} samples at "
              f"T = {args.eval_temperature}, top-p {args.eval_top_p}. Final reward and entropy: mean of the last "
              f"{args.last} steps. Intervals: 95%, t-interval over seeds per method; paired differences: "

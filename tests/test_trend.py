@@ -206,6 +206,14 @@ def test_summary_statistics_from_the_run_files(tmp_path, monkeypatch):
     assert not any(c["b"] == "reinforce" for c in stats["claims"])  # reinforce was not run
     summary = (out / "summary.md").read_text()
     assert claim["sentence"] in summary and "| base model | - | 0.200 | 0.260 |" in summary
+    assert summary.splitlines()[0].endswith(f"4 steps, lr {trend.parse_args(_argv(out)).lr:g}")
+    # the header names the lr the runs had: one value when every method shares it, else each method's
+    empty = {"values": {}, "claims": [], "critic": {}}
+    for more, header in ((["--method-lr", "pacs=1e-4", "grpo=1e-4"], "lr 0.0001"),
+                         (["--method-lr", "grpo=3e-5"], "lr pacs 1e-05, grpo 3e-05")):
+        args = trend.parse_args(_argv(tmp_path / "header", "--lr", "1e-5", *more))
+        os.makedirs(args.out, exist_ok=True)
+        assert trend.write_summary(args, {"pacs": {}, "grpo": {}}, [], empty, None).splitlines()[0].endswith(header)
     assert os.path.getsize(out / "trend_passk.png") > 0 and os.path.getsize(out / "trend_curves.png") > 0
     # the critic: AUC pooled over a run's steps, per seed 0.5, 0.55, 0.6; the shift's mean over steps 0..3
     auc = stats["critic"]["pacs"]["critic_auc"]
