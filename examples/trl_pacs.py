@@ -60,6 +60,8 @@ import json
 import os
 import sys
 import time
+import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -327,11 +329,24 @@ def main(argv=None):
                           processing_class=tokenizer, callbacks=[metrics_logger(metrics_path)])
     trainer.remove_callback(PrinterCallback)  # its raw dict per step; the line above says the same, shorter
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
-    # under `accelerate launch`, destroy the process group while Python is alive: left to interpreter teardown,
-    # gloo's worker threads can abort the process after a finished run ("terminate called without an active exception")
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    end_distributed(trainer)
     return trainer
+
+
+def end_distributed(trainer):
+    """Destroy `accelerate launch`'s process group after training, DDP first. On gloo (torch 2.13) a group left to
+    interpreter teardown can abort the process, and a group whose last owner is DDP's C++ Reducer is joined with the
+    GIL held while a gloo worker may need the GIL to free a finished collective's tensors: a deadlock. Freed in this
+    order, the group's own destructor releases the GIL. False (and a warning) when something else still holds DDP."""
+    trainer.accelerator.wait_for_everyone()
+    wrapper = weakref.ref(trainer.model_wrapped)
+    trainer.model_wrapped = trainer.model  # the DDP wrapper, the trainer's only reference to it
+    trainer.accelerator.free_memory()  # the accelerator's references; gc.collect() frees DDP and its Reducer
+    freed = wrapper() is None or wrapper() is trainer.model
+    if not freed:
+        warnings.warn(f"{type(wrapper()).__name__} outlives training: destroying the process group may hang")
+    trainer.accelerator.end_training()  # torch.distributed.destroy_process_group()
+    return freed
 
 
 if __name__ == "__main__":

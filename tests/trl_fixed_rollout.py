@@ -168,10 +168,9 @@ def main():
     if trainer.accelerator.is_main_process:
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         torch.save({"grads": grads, "num_processes": trainer.accelerator.num_processes, "backend": backend}, args.out)
-    # gloo's worker threads outlive a process group left to interpreter teardown, which then aborts at random
-    # ("terminate called without an active exception", SIGABRT): destroy it while Python is alive, on every rank
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    from trl_pacs import end_distributed
+    # on every rank: a process group left to teardown can abort or hang the process
+    assert end_distributed(trainer), "the DDP wrapper outlived training"
 
 
 if __name__ == "__main__":
