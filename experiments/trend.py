@@ -541,8 +541,10 @@ def fmt_ci(stat):
 def write_summary(args, runs, missing, stats, base):
     names = list(stats["values"])
     lrs = {m: method_lr(args, m) for m in runs}  # --method-lr entries, else --lr
-    lr = f"{args.lr:g}" if not lrs else (f"{next(iter(lrs.values())):g}" if len(set(lrs.values())) == 1
-                                         else ", ".join(f"{m} {v:g}" for m, v in lrs.items()))
+    if len(set(lrs.values())) <= 1:  # one lr for every method (or no run yet: --lr)
+        lr = f"{next(iter(lrs.values()), args.lr):g}"
+    else:
+        lr = ", ".join(f"{m} {v:g}" for m, v in lrs.items())
     lines = [f"# Trend: {args.model} on {args.dataset}, {args.prompts} prompts x {args.group_size} samples per "
              f"step, M = {args.num_mini_batches}, {args.steps} steps, lr {lr}", "",
              f"Held-out: {args.eval_datasets}, {args.eval_problems or 'all'} problems x {args.eval_n} samples at "
