@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import random
 import sys
 import time
@@ -46,6 +47,9 @@ CHARS = "0123456789+-=? }\n"  # every other character of a problem or a solution
 CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 SPLITS = ("test", "val", "train", "sft")  # filled in this order from one stream of distinct problems
+# The reference lab: the base model every committed lab result trained from (model/, lab.json, sft_log.jsonl); its
+# splits are not committed but regenerated from the seed (ensure_splits), checked against lab.json's hash.
+SHIPPED = os.path.join(ROOT, "docs", "lab", "base")
 
 
 class LabError(Exception):
@@ -92,6 +96,51 @@ def make_splits(seed, sizes, max_operand=9):
             rows.append({"id": f"{split}-{len(rows)}", **p, "source": SOURCE})
         out[split] = rows
     return out
+
+
+def splits_sha(splits):
+    """sha256 of the splits' JSONL lines in SPLITS order: Python's random is the same on every machine, so a seed
+    regenerates the same splits anywhere, and this hash says so."""
+    h = hashlib.sha256()
+    for split in SPLITS:
+        for r in splits[split]:
+            h.update((json.dumps(r) + "\n").encode())
+    return h.hexdigest()
+
+
+def write_splits(out, splits):
+    for split, rows in splits.items():
+        with open(os.path.join(out, f"{split}.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def ensure_splits(lab_dir):
+    """Write the lab's split files into lab_dir if any is missing (the shipped lab commits none), regenerated from
+    lab.json's seed and sizes and checked against its splits_sha256 (a lab.json without one: nothing to check
+    against, nothing written)."""
+    if all(os.path.isfile(os.path.join(lab_dir, f"{s}.jsonl")) for s in SPLITS):
+        return
+    with open(os.path.join(lab_dir, "lab.json")) as f:
+        info = json.load(f)
+    if "splits_sha256" not in info:
+        return
+    cfg = info["settings"]
+    splits = make_splits(cfg["seed"], {s: cfg[f"{s}_problems"] for s in SPLITS}, cfg["max_operand"])
+    if splits_sha(splits) != info.get("splits_sha256"):
+        raise LabError(f"the splits regenerated from seed {cfg['seed']} do not match {lab_dir}/lab.json's "
+                       f"splits_sha256 ({splits_sha(splits)[:12]} against {str(info.get('splits_sha256'))[:12]})")
+    write_splits(lab_dir, splits)
+
+
+def machine():
+    """What ran it: a result depends on the torch build and the CPU's kernels (the same seed gives other weights
+    on another CPU)."""
+    cpu = platform.processor() or platform.machine()
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {"torch": torch.__version__, "cpu": cpu, "threads": torch.get_num_threads(),
+            "python": platform.python_version()}
 
 
 # =====================================================================================================
@@ -282,9 +331,7 @@ def build(args):
              "test": args.test_problems}
     splits = make_splits(args.seed, sizes, args.max_operand)
     os.makedirs(args.out)
-    for split, rows in splits.items():
-        with open(os.path.join(args.out, f"{split}.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_splits(args.out, splits)
     tokenizer = make_tokenizer()
     tokenizer.padding_side = "left"  # generate's side; encode_sft pads by hand
     model = make_model(tokenizer, args.hidden, args.layers, args.heads, args.seed)
@@ -306,6 +353,7 @@ def build(args):
     passk = ev["datasets"]["test"]["pass@k"]
     summary = {"settings": vars(args), "sft_steps": steps, "val_pass1_at_stop": val_pass1,
                "parameters": n_params, "vocab": len(tokenizer), "weights_sha256": weights_sha(model),
+               "splits_sha256": splits_sha(splits), "machine": machine(),
                "sft_s": t_sft, "wall_s": time.time() - t0, "test_pass@k": {k: passk[k] for k in passk}}
     with open(os.path.join(args.out, "lab.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -55,6 +55,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import eval as pacs_eval  # noqa: E402  (bootstrap_ci: one percentile bootstrap for problems and seeds)
 import pacs  # noqa: E402  (latest_checkpoint: the done-check reads pacs.py's own checkpoint layout)
+import lab  # noqa: E402  (the shipped lab, its splits, the machine a result ran on)
 from curves import read_metrics  # noqa: E402  (a run's metrics.jsonl, sorted by step)
 
 # name -> pacs.py flags; everything else is shared by every run of a sweep
@@ -62,7 +63,10 @@ METHODS = {
     "pacs": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance"],  # the paper's PACS
     "pacs-critic-off": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance",
                         "--no-implicit-critic"],  # 1/2 in place of sigma(psi): the ablation that isolates the critic
+    # the critic's strength: psi = beta * sum log-ratio, so beta scales how far sigma(psi) moves off 1/2
+    "pacs-beta0.5": ["--algo", "pacs", "--beta", "0.5", "--estimator", "rloo", "--balance"],
     "pacs-beta2": ["--algo", "pacs", "--beta", "2.0", "--estimator", "rloo", "--balance"],  # paper's beta = 2
+    "pacs-beta4": ["--algo", "pacs", "--beta", "4.0", "--estimator", "rloo", "--balance"],
     "pacs-est-grpo": ["--algo", "pacs", "--beta", "1.0", "--estimator", "grpo", "--balance"],  # psi: (r - mean) / std
     "pacs-est-drgrpo": ["--algo", "pacs", "--beta", "1.0", "--estimator", "drgrpo", "--balance"],  # psi: r - mean
     "pacs-no-balance": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--no-balance"],
@@ -316,7 +320,8 @@ def write_result(args, method, seed, wall_s):
            "metrics": {k: [round(v, 5) if isinstance(v, float) else v for v in (r.get(k) for r in rows)]
                        for k in RESULT_KEYS},  # 5 decimals: a run's file stays ~12 KB
            "eval": {os.path.basename(ds): m["pass@k"] for ds, m in datasets.items()},
-           "boxed_expressions": boxed_expressions(os.path.join(ev, "samples.jsonl")), "wall_s": round(wall_s, 1)}
+           "boxed_expressions": boxed_expressions(os.path.join(ev, "samples.jsonl")), "wall_s": round(wall_s, 1),
+           "machine": lab.machine()}
     os.makedirs(args.results, exist_ok=True)
     tmp = result_path(args, method, seed) + ".tmp"
     with open(tmp, "w") as f:
@@ -881,8 +886,9 @@ def parse_args(argv=None):
                    "its actor's (the paper's scripts: 10); 0 = pacs.py's default 1e-5")
     p.add_argument("--results", default="", help="write each finished run's small result file here "
                    "(<method>-s<seed>.json) and count a run with one as done; the summary reads them")
-    p.add_argument("--lab", default="", help="a directory experiments/lab.py built: its model, train split and "
-                   "the lab's defaults for every flag left unset (LAB_PRESET)")
+    p.add_argument("--lab", nargs="?", const=lab.SHIPPED, default="", help="a directory experiments/lab.py built "
+                   "(--lab alone: the shipped reference lab, docs/lab/base): its model, splits and the lab's defaults "
+                   "for every flag left unset (LAB_PRESET)")
     p.add_argument("--summary-json", default="", help="also write the lab's summary (lab_summary) of the result "
                    "files beside --results (every test-p*/ dir) to this path, e.g. docs/lab/summary.json")
     p.add_argument("--scan-json", default="", help="write the learning-rate scan (lab_scan) of the result files "
@@ -916,13 +922,18 @@ def lab_defaults(first, argv):
     given = any(a == "--prompts" or a.startswith("--prompts=") for a in (sys.argv[1:] if argv is None else argv))
     prompts = first.prompts if given else LAB_PRESET["prompts"]
     name = f"{first.split}-p{prompts}" + (f"-lr{first.lr:g}" if first.split == "val" else "")
-    lab = os.path.abspath(first.lab)  # the runs start in the repository root
+    lab_dir = os.path.abspath(first.lab)  # the runs start in the repository root
+    if os.path.isfile(os.path.join(lab_dir, "lab.json")):
+        try:
+            lab.ensure_splits(lab_dir)  # the shipped lab's splits: regenerated from its seed on first use
+        except lab.LabError as e:
+            sys.exit(f"trend.py: error: {e}")
     # one forward per mini-batch up to 64 rows (8 prompts x 8); 1 prompt per mini-batch: 8 rows
     rows = prompts // first.num_mini_batches * first.group_size
     micro = max([m for m in (64, 32, 16, 8) if rows % m == 0] or [first.group_size])
-    return {**LAB_PRESET, "pacs_args": f"--micro-batch-size {micro} --device cpu", "model": os.path.join(lab, "model"),
-            "dataset": os.path.join(lab, "train.jsonl"),
-            "eval_datasets": os.path.join(lab, f"{first.split}.jsonl"),
+    return {**LAB_PRESET, "pacs_args": f"--micro-batch-size {micro} --device cpu",
+            "model": os.path.join(lab_dir, "model"), "dataset": os.path.join(lab_dir, "train.jsonl"),
+            "eval_datasets": os.path.join(lab_dir, f"{first.split}.jsonl"),
             "out": os.path.join(ROOT, "experiments", "out_lab", name), "results": os.path.join(ROOT, "docs", "lab",
                                                                                               "results", name)}
 
