@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import numpy as np
+from scipy import stats
 import torch
 from tqdm.auto import tqdm
 
@@ -91,10 +92,11 @@ def bootstrap_ci(values, level=0.95, n_boot=1000, seed=0):
     """(lo, hi): the percentile bootstrap interval of the mean of values, resampling them with replacement
     (seeded, so a rerun prints the same interval). The values are the units sampled: problems, or seeds."""
     values = np.asarray(values, dtype=float)  # (n,)
-    idx = np.random.default_rng(seed).integers(0, len(values), (n_boot, len(values)))  # (n_boot, n) draws
-    boot = values[idx].mean(1)  # (n_boot,) the mean of each resample
-    tail = 100 * (1 - level) / 2
-    return float(np.percentile(boot, tail)), float(np.percentile(boot, 100 - tail))
+    if len(values) < 2:  # scipy wants two; one value resamples to itself
+        return float(values[0]), float(values[0])
+    ci = stats.bootstrap((values,), np.mean, n_resamples=n_boot, confidence_level=level, method="percentile",
+                         rng=np.random.default_rng(seed)).confidence_interval
+    return float(ci.low), float(ci.high)
 
 
 def dataset_metrics(rows, ks, seed=0, n_boot=1000):

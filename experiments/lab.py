@@ -359,7 +359,7 @@ def build(args):
         json.dump(summary, f, indent=1)
     p1, p8, p64 = (passk.get(str(k)) for k in (1, 8, 64))
     if not (0.15 <= p1 <= 0.5 and (p64 is None or p64 >= 0.8)):
-        print(f"[lab] warning: the base model is outside the lab's window (pass@1 in [0.15, 0.5], pass@64 >= 0.8)",
+        print("[lab] warning: the base model is outside the lab's window (pass@1 in [0.15, 0.5], pass@64 >= 0.8)",
               file=sys.stderr)
     fmt = lambda k, v: f"pass@{k} -" if v is None else f"pass@{k} {v:.3f}"
     print(f"[lab] {args.out}: {steps} SFT steps, {summary['wall_s']:.0f}s; base model on the test split at T = 1.0:")

@@ -1,4 +1,5 @@
-"""experiments/trend.py (and curves.py): the statistics (t-interval, paired bootstrap, claim sentences), the resumable sweep
+"""experiments/trend.py and the files it runs (stats.py, sweep.py, summary.py, lab_summary.py, figures.py; and
+curves.py): the statistics (t-interval, paired bootstrap, claim sentences), the resumable sweep
 (the pacs.py / eval.py runner replaced by a fake that writes their files), CLI errors, and one in-process
 end-to-end sweep on the tiny model that checks pacs.py and eval.py accept every flag the sweep passes."""
 import json
@@ -12,25 +13,35 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+import lab_summary  # noqa: E402
+import stats as trend_stats  # noqa: E402
+import summary  # noqa: E402
+import sweep  # noqa: E402
 import trend  # noqa: E402
 
 
 # ---- statistics ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("p", [0.9, 0.975, 0.995])
-def test_t_quantile_matches_closed_forms(p):
-    # df = 1 is the Cauchy distribution, df = 2 has a closed form; a huge df is the normal distribution
-    assert trend.t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-7)
-    assert trend.t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-7)
-    assert trend.t_quantile(p, 100000) == pytest.approx(pystats.NormalDist().inv_cdf(p), rel=1e-4)
+def test_t_interval_matches_closed_forms(p):
+    """Half-width t_{p, n-1} * s / sqrt(n): at n = 2 (df = 1, the Cauchy distribution) and n = 3 (df = 2) the
+    quantile has a closed form; at a huge n it is the normal's."""
+    level = 2 * p - 1
+    for x, q in (([0.2, 0.5], math.tan(math.pi * (p - 0.5))), ([0.2, 0.5, 0.6], (2 * p - 1) / math.sqrt(2 * p * (1 - p)))):
+        mean, lo, hi = trend_stats.t_interval(x, level)
+        assert hi - mean == pytest.approx(q * np.std(x, ddof=1) / math.sqrt(len(x)), rel=1e-7)
+        assert mean - lo == pytest.approx(hi - mean, rel=1e-12)
+    x = np.random.default_rng(0).standard_normal(200001)
+    mean, lo, hi = trend_stats.t_interval(x, level)
+    assert hi - mean == pytest.approx(pystats.NormalDist().inv_cdf(p) * x.std(ddof=1) / math.sqrt(len(x)), rel=1e-4)
 
 
 def test_t_interval_is_mean_plus_minus_t_times_standard_error():
     x = [0.2, 0.5, 0.6]  # n = 3: df = 2, whose 97.5% quantile has a closed form
     q = (2 * 0.975 - 1) / math.sqrt(2 * 0.975 * 0.025)
     half = q * np.std(x, ddof=1) / math.sqrt(3)
-    mean, lo, hi = trend.t_interval(x)
+    mean, lo, hi = trend_stats.t_interval(x)
     assert (mean, lo, hi) == pytest.approx((np.mean(x), np.mean(x) - half, np.mean(x) + half), rel=1e-7)
-    one = trend.t_interval([0.4])
+    one = trend_stats.t_interval([0.4])
     assert one[0] == 0.4 and math.isnan(one[1]) and math.isnan(one[2])
 
 
@@ -39,12 +50,12 @@ def test_smallest_detectable_difference():
     of that size, tested by a paired t-test at 5% on normal samples of the same spread, is found about 4 times in 5."""
     x = [0.2, 0.5, 0.6]
     q = lambda p: (2 * p - 1) / math.sqrt(2 * p * (1 - p))  # df = 2
-    assert trend.smallest_detectable(x) == pytest.approx((q(0.975) + q(0.8)) * np.std(x, ddof=1) / math.sqrt(3), rel=1e-7)
-    assert math.isnan(trend.smallest_detectable([0.1]))
+    assert trend_stats.smallest_detectable(x) == pytest.approx((q(0.975) + q(0.8)) * np.std(x, ddof=1) / math.sqrt(3), rel=1e-7)
+    assert math.isnan(trend_stats.smallest_detectable([0.1]))
     n, rng = 16, np.random.default_rng(0)
     spread_1 = np.linspace(-1, 1, n) / np.std(np.linspace(-1, 1, n), ddof=1)  # (n,): sample standard deviation 1
-    delta = trend.smallest_detectable(spread_1)
-    crit = trend.t_quantile(0.975, n - 1)
+    delta = trend_stats.smallest_detectable(spread_1)
+    crit = 2.1314  # t_{0.975, 15}, from the tables
     samples = rng.standard_normal((4000, n)) + delta  # (sims, n): differences of spread 1 and mean delta
     t = samples.mean(1) / (samples.std(1, ddof=1) / math.sqrt(n))
     assert 0.75 < float(np.mean(np.abs(t) > crit)) < 0.85
@@ -54,45 +65,45 @@ def test_paired_bootstrap_cancels_the_seed_spread():
     # seeds differ a lot (0.1 .. 0.9), but a beats b by exactly 0.1 at every seed: pairing sees only the 0.1
     b = {s: 0.1 + 0.16 * s for s in range(6)}
     a = {s: v + 0.1 for s, v in b.items()}
-    seeds, d = trend.paired_differences(a, b)
+    seeds, d = trend_stats.paired_differences(a, b)
     assert seeds == list(range(6))
-    mean, lo, hi = trend.bootstrap_interval(d)
+    mean, lo, hi = trend_stats.bootstrap_interval(d)
     assert (mean, lo, hi) == pytest.approx((0.1, 0.1, 0.1))
     # unpaired, the two methods' own intervals overlap widely: only the pairing separates them
-    _, a_lo, a_hi = trend.t_interval(list(a.values()))
-    _, b_lo, b_hi = trend.t_interval(list(b.values()))
+    _, a_lo, a_hi = trend_stats.t_interval(list(a.values()))
+    _, b_lo, b_hi = trend_stats.t_interval(list(b.values()))
     assert a_lo < b_hi and b_lo < a_hi
     # only seeds both have are paired
-    seeds, d = trend.paired_differences({0: 1.0, 1: 2.0, 2: 3.0}, {1: 0.5, 2: 1.0, 3: 9.0})
+    seeds, d = trend_stats.paired_differences({0: 1.0, 1: 2.0, 2: 3.0}, {1: 0.5, 2: 1.0, 3: 9.0})
     assert seeds == [1, 2] and d.tolist() == [1.5, 2.0]
 
 
 def test_bootstrap_interval_resamples_seeds():
     d = np.array([-0.3, 0.1, 0.2, -0.1, 0.4, 0.0])
-    mean, lo, hi = trend.bootstrap_interval(d, n_boot=20000)
+    mean, lo, hi = trend_stats.bootstrap_interval(d, n_boot=20000)
     assert mean == pytest.approx(d.mean())
     assert d.min() <= lo < mean < hi <= d.max() and lo < 0 < hi
     # the resampled means of n seeds spread like s / sqrt(n): the interval's width is about 2 * 1.96 of it
     se = d.std(ddof=0) / math.sqrt(len(d))
     assert hi - lo == pytest.approx(2 * 1.96 * se, rel=0.15)
-    assert trend.bootstrap_interval(d) == trend.bootstrap_interval(d)  # seeded: a rerun prints the same
-    assert math.isnan(trend.bootstrap_interval([0.2])[1])
+    assert trend_stats.bootstrap_interval(d) == trend_stats.bootstrap_interval(d)  # seeded: a rerun prints the same
+    assert math.isnan(trend_stats.bootstrap_interval([0.2])[1])
 
 
 def test_claim_sentence_says_whether_the_interval_excludes_zero():
-    s = trend.claim_sentence("pacs", "grpo", "synthetic pass@1", 6, (0.1, 0.02, 0.2), (0.1, 0.01, 0.19))
+    s = trend_stats.claim_sentence("pacs", "grpo", "synthetic pass@1", 6, (0.1, 0.02, 0.2), (0.1, 0.01, 0.19))
     assert "excludes zero: pacs is higher" in s and "t-interval" not in s
-    s = trend.claim_sentence("pacs", "grpo", "final entropy", 6, (-0.1, -0.2, -0.01), (-0.1, -0.21, -0.02))
+    s = trend_stats.claim_sentence("pacs", "grpo", "final entropy", 6, (-0.1, -0.2, -0.01), (-0.1, -0.21, -0.02))
     assert "excludes zero: pacs is lower" in s
-    s = trend.claim_sentence("pacs", "grpo", "synthetic pass@1", 6, (0.05, -0.02, 0.12), (0.05, -0.04, 0.14))
+    s = trend_stats.claim_sentence("pacs", "grpo", "synthetic pass@1", 6, (0.05, -0.02, 0.12), (0.05, -0.04, 0.14))
     assert "includes zero: pacs and grpo do not separate" in s
     # an end exactly at zero does not exclude it
-    s = trend.claim_sentence("pacs", "grpo", "synthetic pass@1", 6, (0.05, 0.0, 0.1), (0.05, -0.01, 0.11))
+    s = trend_stats.claim_sentence("pacs", "grpo", "synthetic pass@1", 6, (0.05, 0.0, 0.1), (0.05, -0.01, 0.11))
     assert "includes zero" in s and "higher" not in s
     # the bootstrap excludes zero, the t-interval does not: the sentence says so
-    s = trend.claim_sentence("pacs", "reinforce", "synthetic pass@1", 6, (0.05, 0.01, 0.1), (0.05, -0.01, 0.11))
+    s = trend_stats.claim_sentence("pacs", "reinforce", "synthetic pass@1", 6, (0.05, 0.01, 0.1), (0.05, -0.01, 0.11))
     assert "excludes zero: pacs is higher" in s and "paired t-interval, [-0.010, +0.110], includes zero" in s
-    s = trend.claim_sentence("pacs", "grpo", "synthetic pass@1", 1, (0.05, math.nan, math.nan), (0.05,) * 3)
+    s = trend_stats.claim_sentence("pacs", "grpo", "synthetic pass@1", 1, (0.05, math.nan, math.nan), (0.05,) * 3)
     assert "too few seeds" in s and "excludes" not in s and "includes" not in s
 
 
@@ -111,7 +122,7 @@ def _fake_value(model_path, k):
 
 
 class FakeRunner:
-    """Stands in for trend.run_command: records each call and writes what pacs.py / eval.py would."""
+    """Stands in for sweep.run_command: records each call and writes what pacs.py / eval.py would."""
 
     def __init__(self):
         self.calls = []
@@ -123,7 +134,7 @@ class FakeRunner:
             out, steps = _flag(cmd, "--out-dir"), int(_flag(cmd, "--steps"))
             assert "--resume" in cmd
             os.makedirs(out, exist_ok=True)
-            start = trend.trained_steps(out)
+            start = sweep.trained_steps(out)
             critic = "--algo" in cmd and _flag(cmd, "--algo") in ("pacs", "ppo")
             with open(os.path.join(out, "metrics.jsonl"), "a") as f:
                 for step in range(start, steps):
@@ -160,7 +171,7 @@ def _argv(out, *more):
 
 def test_sweep_runs_everything_once_and_resumes(tmp_path, monkeypatch):
     fake = FakeRunner()
-    monkeypatch.setattr(trend, "run_command", fake)
+    monkeypatch.setattr(sweep, "run_command", fake)
     out = tmp_path / "sweep"
     trend.main(_argv(out))
     # base eval, then for each seed and method: train, eval of the final checkpoint
@@ -189,13 +200,13 @@ def test_sweep_runs_everything_once_and_resumes(tmp_path, monkeypatch):
 
 
 def test_summary_statistics_from_the_run_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(trend, "run_command", FakeRunner())
+    monkeypatch.setattr(sweep, "run_command", FakeRunner())
     out = tmp_path / "sweep"
     trend.main(_argv(out))
     stats = json.load(open(out / "stats.json"))
     pacs_p1 = stats["per_method"]["synthetic pass@1"]["pacs"]
     assert pacs_p1["n"] == 3
-    assert pacs_p1["mean_ci95_t"] == pytest.approx(list(trend.t_interval([0.5, 0.55, 0.6])))
+    assert pacs_p1["mean_ci95_t"] == pytest.approx(list(trend_stats.t_interval([0.5, 0.55, 0.6])))
     # final reward: mean of the last --last 2 of steps 0..3, rewards 0.1 * step
     assert stats["values"]["final training reward"]["grpo"]["1"] == pytest.approx(0.25)
     claim = next(c for c in stats["claims"] if c["b"] == "grpo" and c["metric"] == "synthetic pass@1")
@@ -204,28 +215,28 @@ def test_summary_statistics_from_the_run_files(tmp_path, monkeypatch):
     entropy = next(c for c in stats["claims"] if c["metric"] == "final entropy")
     assert "includes zero" in entropy["sentence"]  # the fake entropy is the same for every method
     assert not any(c["b"] == "reinforce" for c in stats["claims"])  # reinforce was not run
-    summary = (out / "summary.md").read_text()
-    assert claim["sentence"] in summary and "| base model | - | 0.200 | 0.260 |" in summary
-    assert summary.splitlines()[0].endswith(f"4 steps, lr {trend.parse_args(_argv(out)).lr:g}")
+    summary_md = (out / "summary.md").read_text()
+    assert claim["sentence"] in summary_md and "| base model | - | 0.200 | 0.260 |" in summary_md
+    assert summary_md.splitlines()[0].endswith(f"4 steps, lr {trend.parse_args(_argv(out)).lr:g}")
     # the header names the lr the runs had: one value when every method shares it, else each method's
     empty = {"values": {}, "claims": [], "critic": {}}
     for more, header in ((["--method-lr", "pacs=1e-4", "grpo=1e-4"], "lr 0.0001"),
                          (["--method-lr", "grpo=3e-5"], "lr pacs 1e-05, grpo 3e-05")):
         args = trend.parse_args(_argv(tmp_path / "header", "--lr", "1e-5", *more))
         os.makedirs(args.out, exist_ok=True)
-        assert trend.write_summary(args, {"pacs": {}, "grpo": {}}, [], empty, None).splitlines()[0].endswith(header)
+        assert summary.write_summary(args, {"pacs": {}, "grpo": {}}, [], empty, None).splitlines()[0].endswith(header)
     assert os.path.getsize(out / "trend_passk.png") > 0 and os.path.getsize(out / "trend_curves.png") > 0
     # the critic: AUC pooled over a run's steps, per seed 0.5, 0.55, 0.6; the shift's mean over steps 0..3
     auc = stats["critic"]["pacs"]["critic_auc"]
     assert auc["per_seed"] == {"0": pytest.approx(0.5), "1": pytest.approx(0.55), "2": pytest.approx(0.6)}
-    assert auc["mean_ci95_t"] == pytest.approx(list(trend.t_interval([0.5, 0.55, 0.6])))
+    assert auc["mean_ci95_t"] == pytest.approx(list(trend_stats.t_interval([0.5, 0.55, 0.6])))
     assert stats["critic"]["pacs"]["critic_shift"]["mean_ci95_t"][0] == pytest.approx(0.015)
-    assert "grpo" not in stats["critic"] and auc["sentence"] in summary
+    assert "grpo" not in stats["critic"] and auc["sentence"] in summary_md
     assert os.path.getsize(out / "trend_critic.png") > 0
 
 
 def test_changed_settings_and_overtrained_runs_are_refused(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(trend, "run_command", FakeRunner())
+    monkeypatch.setattr(sweep, "run_command", FakeRunner())
     out = tmp_path / "sweep"
     trend.main(_argv(out))
     with pytest.raises(SystemExit) as e:
@@ -236,7 +247,7 @@ def test_changed_settings_and_overtrained_runs_are_refused(tmp_path, monkeypatch
         trend.main(_argv(out)[:-6] + ["--steps", "3", "--eval-n", "4", "--last", "2"])
     assert "has trained 4 steps, more than --steps 3" in str(e.value)
     # a method whose pacs.py flags changed since its runs were made (grpo was token-mean once)
-    monkeypatch.setitem(trend.METHODS, "grpo", ["--algo", "grpo", "--loss-agg", "token-mean"])
+    monkeypatch.setitem(sweep.METHODS, "grpo", ["--algo", "grpo", "--loss-agg", "token-mean"])
     with pytest.raises(SystemExit) as e:
         trend.main(_argv(out))
     assert "holds grpo runs made with other pacs.py flags (['--algo', 'grpo'] there" in str(e.value)
@@ -258,13 +269,13 @@ def test_bad_flags_give_one_line(tmp_path, more, message):
 
 
 def test_methods_are_the_papers_runs():
-    assert trend.resolve_methods(["pacs-beta1", "pacs", "grpo", "pacs-est-rloo"]) == ["pacs", "grpo"]
-    flags = {m: " ".join(f) for m, f in trend.METHODS.items()}
+    assert sweep.resolve_methods(["pacs-beta1", "pacs", "grpo", "pacs-est-rloo"]) == ["pacs", "grpo"]
+    flags = {m: " ".join(f) for m, f in sweep.METHODS.items()}
     assert "--beta 2.0" in flags["pacs-beta2"] and "--no-balance" in flags["pacs-no-balance"]
     assert "--estimator grpo" in flags["pacs-est-grpo"] and "--estimator drgrpo" in flags["pacs-est-drgrpo"]
     assert flags["grpo"] == "--algo grpo" and flags["reinforce"] == "--algo reinforce" and flags["ppo"] == "--algo ppo"
     assert flags["pacs-critic-off"] == flags["pacs"] + " --no-implicit-critic"
-    assert trend.DEFAULT_METHODS == ["pacs", "pacs-critic-off", "grpo", "ppo", "reinforce"]
+    assert sweep.DEFAULT_METHODS == ["pacs", "pacs-critic-off", "grpo", "ppo", "reinforce"]
 
 
 def test_every_methods_command_is_a_valid_pacs_config(tmp_path):
@@ -275,8 +286,8 @@ def test_every_methods_command_is_a_valid_pacs_config(tmp_path):
     want = {"pacs": ("pacs", 1.0, "rloo", True), "pacs-beta2": ("pacs", 2.0, "rloo", True),
             "pacs-est-grpo": ("pacs", 1.0, "grpo", True), "pacs-est-drgrpo": ("pacs", 1.0, "drgrpo", True),
             "pacs-no-balance": ("pacs", 1.0, "rloo", False), "pacs-critic-off": ("pacs", 1.0, "rloo", True)}
-    for method in trend.METHODS:
-        cfg = pacs.parse_args(trend.train_command(args, method, 3)[2:])
+    for method in sweep.METHODS:
+        cfg = pacs.parse_args(sweep.train_command(args, method, 3)[2:])
         pacs.check_config(cfg)
         assert (cfg.seed, cfg.num_mini_batches, cfg.prompts_per_step, cfg.micro_batch_size) == (3, 4, 4, 8)
         assert cfg.resume and cfg.out_dir == os.path.join(str(tmp_path), f"{method}-s3")
@@ -286,8 +297,8 @@ def test_every_methods_command_is_a_valid_pacs_config(tmp_path):
         else:
             assert cfg.algo == method.split("-")[0]
     # the earlier sweep's grpo: verl's default token-mean, no dual clip, no grad clip; the paper's is the default
-    old = pacs.parse_args(trend.train_command(args, "grpo-token-mean", 0)[2:])
-    paper = pacs.parse_args(trend.train_command(args, "grpo", 0)[2:])
+    old = pacs.parse_args(sweep.train_command(args, "grpo-token-mean", 0)[2:])
+    paper = pacs.parse_args(sweep.train_command(args, "grpo", 0)[2:])
     assert (old.loss_agg, old.clip_c, old.max_grad_norm) == ("token-mean", 0.0, 0.0)
     assert (paper.loss_agg, paper.clip_c, paper.max_grad_norm) == ("seq-mean-token-sum-norm", 3.0, 1.0)
 
@@ -295,7 +306,7 @@ def test_every_methods_command_is_a_valid_pacs_config(tmp_path):
 # ---- result files (--results), the lab preset, the lab's summary.json ---------------------------------
 def test_result_files_alone_resume_and_summarize_a_sweep(tmp_path, monkeypatch):
     fake = FakeRunner()
-    monkeypatch.setattr(trend, "run_command", fake)
+    monkeypatch.setattr(sweep, "run_command", fake)
     out, results = tmp_path / "sweep", tmp_path / "results"
     trend.main(_argv(out, "--results", str(results)))
     assert sorted(os.listdir(results)) == [f"{m}-s{s}.json" for m in ("grpo", "pacs") for s in range(3)]
@@ -326,11 +337,11 @@ def test_result_files_alone_resume_and_summarize_a_sweep(tmp_path, monkeypatch):
 
 
 def test_a_sweep_json_from_before_the_new_keys_is_still_accepted(tmp_path, monkeypatch):
-    monkeypatch.setattr(trend, "run_command", FakeRunner())
+    monkeypatch.setattr(sweep, "run_command", FakeRunner())
     out = tmp_path / "sweep"
     trend.main(_argv(out))
     saved = json.load(open(out / "sweep.json"))
-    for key in trend.NEW_SWEEP_KEYS:
+    for key in sweep.NEW_SWEEP_KEYS:
         del saved[key]
     (out / "sweep.json").write_text(json.dumps(saved))
     trend.main(_argv(out))  # the same settings: accepted, and sweep.json now holds the new keys
@@ -344,11 +355,11 @@ def test_method_lr_sets_one_methods_learning_rate(tmp_path):
     import pacs
     args = trend.parse_args(["--out", str(tmp_path), "--lr", "2e-5", "--method-lr", "grpo=1e-6", "ppo=3e-6"])
     trend.check_args(args)
-    lrs = {m: pacs.parse_args(trend.train_command(args, m, 0)[2:]).lr for m in ("pacs", "grpo", "ppo")}
+    lrs = {m: pacs.parse_args(sweep.train_command(args, m, 0)[2:]).lr for m in ("pacs", "grpo", "ppo")}
     assert lrs == {"pacs": 2e-5, "grpo": 1e-6, "ppo": 3e-6}
-    assert pacs.parse_args(trend.train_command(args, "ppo", 0)[2:]).critic_lr == 1e-5  # ratio 0: pacs.py's default
+    assert pacs.parse_args(sweep.train_command(args, "ppo", 0)[2:]).critic_lr == 1e-5  # ratio 0: pacs.py's default
     args.critic_lr_ratio = 10.0  # the paper's: the value model at 10x its actor's lr
-    critic = {m: pacs.parse_args(trend.train_command(args, m, 0)[2:]).critic_lr for m in ("pacs", "ppo")}
+    critic = {m: pacs.parse_args(sweep.train_command(args, m, 0)[2:]).critic_lr for m in ("pacs", "ppo")}
     assert critic["ppo"] == pytest.approx(3e-5) and critic["pacs"] == 1e-5  # only PPO has a value model
     with pytest.raises(SystemExit):
         trend.parse_args(["--method-lr", "grpo:1e-6"])
@@ -369,15 +380,15 @@ def test_a_lab_sweep_without_its_base_eval_reads_the_base_pass_at_k_from_lab_jso
     lab = _fake_lab(tmp_path / "lab")
     args = trend.parse_args(["--lab", lab, "--out", str(tmp_path / "out")])
     trend.check_args(args)
-    assert trend.base_pass_at_k(args) is None  # lab.json without test_pass@k
+    assert summary.base_pass_at_k(args) is None  # lab.json without test_pass@k
     (tmp_path / "lab" / "lab.json").write_text(json.dumps({"test_pass@k": {"1": 0.3, "2": 0.45}}))
-    assert trend.base_pass_at_k(args) == {"test": {1: 0.3, 2: 0.45}}
+    assert summary.base_pass_at_k(args) == {"test": {1: 0.3, 2: 0.45}}
     val = trend.parse_args(["--lab", lab, "--out", str(tmp_path / "out"), "--split", "val"])
     trend.check_args(val)
-    assert trend.base_pass_at_k(val) is None  # lab.py measured the test split only
+    assert summary.base_pass_at_k(val) is None  # lab.py measured the test split only
     (tmp_path / "out" / "eval_base").mkdir(parents=True)  # an eval in --out wins
     (tmp_path / "out" / "eval_base" / "metrics.json").write_text(json.dumps({"datasets": {"test": {"pass@k": {"1": 0.31}}}}))
-    assert trend.base_pass_at_k(args) == {"test": {1: 0.31}}
+    assert summary.base_pass_at_k(args) == {"test": {1: 0.31}}
 
 
 def test_lab_preset_fills_the_flags_left_unset(tmp_path):
@@ -396,7 +407,7 @@ def test_lab_preset_fills_the_flags_left_unset(tmp_path):
     import pacs
     for a in (args, given):  # pacs.py accepts the micro-batch the preset picks
         trend.check_args(a)
-        pacs.check_config(pacs.parse_args(trend.train_command(a, "pacs", 0)[2:]))
+        pacs.check_config(pacs.parse_args(sweep.train_command(a, "pacs", 0)[2:]))
     scan = trend.parse_args(["--lab", lab, "--split", "val", "--lr", "3e-5"])
     assert scan.eval_datasets.endswith("val.jsonl") and scan.results.endswith("results/val-p32-lr3e-05")
     with pytest.raises(SystemExit) as e:  # the split is smaller than one step's prompts
@@ -432,7 +443,7 @@ def check_summary_schema(summary):
         assert r["final_entropy"] >= 0
     for a in summary["axis"]:
         assert set(a) == {"prompts_per_mini_batch", "method", "seed", "critic_auc", "pass@1"}
-        assert a["method"] in trend.AXIS_METHODS and isinstance(a["prompts_per_mini_batch"], int)
+        assert a["method"] in lab_summary.AXIS_METHODS and isinstance(a["prompts_per_mini_batch"], int)
     for p in summary["paired"]:
         assert set(p) == {"prompts_per_mini_batch", "a", "b", "metric", "seeds", "mean", "ci95_t", "ci95_bootstrap",
                           "detectable_80"}
@@ -442,12 +453,12 @@ def check_summary_schema(summary):
 
 
 def test_lab_summary_follows_the_schema(tmp_path, monkeypatch):
-    monkeypatch.setattr(trend, "run_command", FakeRunner())
+    monkeypatch.setattr(sweep, "run_command", FakeRunner())
     runs = tmp_path / "runs"
     for prompts in (4, 8):
         trend.main(_argv(tmp_path / f"out{prompts}", "--methods", "pacs", "pacs-critic-off", "grpo", "--prompts",
                          str(prompts), "--results", str(runs / f"test-p{prompts}")))
-    summary = trend.lab_summary(str(runs), prompts=8, last=2)
+    summary = lab_summary.lab_summary(str(runs), prompts=8, last=2)
     check_summary_schema(summary)
     assert len(summary["runs"]) == 9 and len(summary["axis"]) == 12  # 2 methods x 3 seeds x 2 prompts per step
     assert {(a["prompts_per_mini_batch"], a["method"]) for a in summary["axis"]} == {
@@ -463,14 +474,14 @@ def test_lab_summary_follows_the_schema(tmp_path, monkeypatch):
     d = [by_seed["pacs", s] - by_seed["grpo", s] for s in range(3)]
     grpo = summary["paired"][1]
     assert grpo["mean"] == pytest.approx(np.mean(d), abs=1e-5)
-    assert grpo["detectable_80"] == pytest.approx(trend.smallest_detectable(d), abs=1e-5)
+    assert grpo["detectable_80"] == pytest.approx(trend_stats.smallest_detectable(d), abs=1e-5)
     # and the same through the command line
     trend.main(_argv(tmp_path / "out8", "--methods", "pacs", "pacs-critic-off", "grpo", "--prompts", "8",
                      "--results", str(runs / "test-p8"), "--summary-json", str(tmp_path / "summary.json")))
     assert json.load(open(tmp_path / "summary.json")) == json.loads(json.dumps(summary))
     assert os.path.getsize(tmp_path / "lab_axis.png") > 0
-    with pytest.raises(trend.SweepError, match="no result file for --prompts 32"):
-        trend.lab_summary(str(runs), prompts=32)
+    with pytest.raises(sweep.SweepError, match="no result file for --prompts 32"):
+        lab_summary.lab_summary(str(runs), prompts=32)
 
 
 def test_lab_scan_picks_each_methods_best_mean_validation_pass1(tmp_path, capsys):
@@ -485,7 +496,7 @@ def test_lab_scan_picks_each_methods_best_mean_validation_pass1(tmp_path, capsys
     (runs / "test-p32").mkdir()  # the test split's runs are never read by the scan
     (runs / "test-p32" / "pacs-s0.json").write_text(json.dumps(
         {"method": "pacs", "seed": 0, "settings": {"lr": 1e-4}, "eval": {"test": {"1": 0.99}}}))
-    scan = trend.lab_scan(str(runs))
+    scan = lab_summary.lab_scan(str(runs))
     assert scan["choice"] == {"pacs": 3e-5, "grpo": 1e-5}
     assert scan["pass@1"]["pacs"]["0.0001"] == [0.10, 0.20] and len(scan["pass@1"]["pacs"]) == 3
     trend.main(["--lab", _fake_lab(tmp_path / "lab"), "--split", "val", "--results", str(runs / "val-p32-lr1e-05"),
@@ -493,15 +504,45 @@ def test_lab_scan_picks_each_methods_best_mean_validation_pass1(tmp_path, capsys
     assert json.load(open(tmp_path / "scan.json")) == json.loads(json.dumps(scan))
     assert "pacs: lr 1e-05: 0.350 (2 seeds), lr 3e-05: 0.390 (2 seeds), lr 0.0001: 0.150 (2 seeds) -> 3e-05" \
         in capsys.readouterr().out
-    with pytest.raises(trend.SweepError, match="no scan result"):
-        trend.lab_scan(str(tmp_path / "nothing"))
+    with pytest.raises(sweep.SweepError, match="no scan result"):
+        lab_summary.lab_scan(str(tmp_path / "nothing"))
+
+
+LAB_DOCS = os.path.join(sweep.ROOT, "docs", "lab")
+ARCHIVE = os.path.join(LAB_DOCS, "archive-7e4899b1")  # the first sweep's files, from a base that was not committed
 
 
 def test_the_committed_lab_summary_follows_the_schema():
-    path = os.path.join(trend.ROOT, "docs", "lab", "summary.json")
+    path = os.path.join(LAB_DOCS, "summary.json")
     if not os.path.isfile(path):
-        pytest.skip("docs/lab/summary.json is not written yet (the lab sweep writes it)")
+        pytest.skip("docs/lab/summary.json is not written yet (the sweep on the shipped base writes it)")
     check_summary_schema(json.load(open(path)))
+
+
+def _close(a, b, path="", tol=1e-4):
+    """Where two JSON trees differ by more than tol in a number, or at all elsewhere: a list of paths."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return ([f"{path}/{k}: only one side" for k in set(a) ^ set(b)]
+                + [d for k in set(a) & set(b) for d in _close(a[k], b[k], f"{path}/{k}", tol)])
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} items against {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _close(x, y, f"{path}[{i}]", tol)]
+    if isinstance(a, float) and isinstance(b, (int, float)) or isinstance(b, float) and isinstance(a, (int, float)):
+        return [] if abs(a - b) <= tol else [f"{path}: {a} against {b}"]
+    return [] if a == b else [f"{path}: {a!r} against {b!r}"]
+
+
+def test_the_archived_summary_and_scan_regenerate_from_their_result_files():
+    """The first sweep's summary.json and scan.json, recomputed from its committed result files by today's code
+    (scipy's t quantiles and bootstrap), agree with the committed ones to 1e-4 in every number."""
+    committed = json.load(open(os.path.join(ARCHIVE, "summary.json")))
+    check_summary_schema(committed)
+    again = json.loads(json.dumps(lab_summary.lab_summary(ARCHIVE, prompts=32, last=10)))
+    assert _close(again, committed) == []
+    scan = json.loads(json.dumps(lab_summary.lab_scan(ARCHIVE, prompts=32)))
+    assert _close(scan, json.load(open(os.path.join(ARCHIVE, "scan.json")))) == []
+    assert _close({"x": [1.0, {"y": 0.5}]}, {"x": [1.0, {"y": 0.5002}]}) == ["/x[1]/y: 0.5 against 0.5002"]
 
 
 # ---- end to end, in process, on the tiny model --------------------------------------------------------
@@ -515,7 +556,7 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch, tiny_model_dir):
         monkeypatch.setattr(sys, "argv", cmd[1:])
         (pacs if cmd[1] == "pacs.py" else eval_py).main()
 
-    monkeypatch.setattr(trend, "run_command", run_in_process)
+    monkeypatch.setattr(sweep, "run_command", run_in_process)
     monkeypatch.setenv("TQDM_DISABLE", "1")
     out = tmp_path / "tiny"
     trend.main(["--out", str(out), "--model", tiny_model_dir, "--methods", "pacs", "grpo", "--seeds", "0",
@@ -523,7 +564,7 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch, tiny_model_dir):
                 "--max-new-tokens", "4", "--eval-problems", "2", "--eval-n", "2", "--save-every", "1",
                 "--pacs-args", "--log-samples-every 0"])
     for run in ("pacs-s0", "grpo-s0"):
-        assert trend.trained_steps(str(out / run)) == 2
+        assert sweep.trained_steps(str(out / run)) == 2
         assert json.load(open(out / run / "config.json"))["num_mini_batches"] == 2
         assert json.load(open(out / run / "eval-step2" / "metrics.json"))["model"].endswith("checkpoint-000001")
     assert json.load(open(out / "pacs-s0" / "config.json"))["algo"] == "pacs"

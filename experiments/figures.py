@@ -1,0 +1,142 @@
+"""The sweep's figures: pass@k against k, entropy and reward against step, the critics per step, and the lab's
+axis; each a mean over seeds with its 95% t-interval.
+"""
+import math
+import os
+
+import numpy as np
+
+from lab_summary import AXIS_METHODS
+from stats import paired_differences, t_interval
+from sweep import CRITIC_METHODS, PASSK_FIGURE_METHODS
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no screen here or in CI)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def shaded(ax, x, curves, label, bounds=(-math.inf, math.inf)):
+    """Mean over seeds (rows of curves) with its 95% t-interval shaded, the band cut to the values the
+    metric can take (with few seeds a t-interval of a rate reaches below 0 and above 1)."""
+    curves = np.asarray(curves, dtype=float)  # (seeds, len(x)); nan where a seed has no value at a step
+    stats = np.array([t_interval(col[~np.isnan(col)]) for col in curves.T])  # (len(x), 3)
+    (line,) = ax.plot(x, stats[:, 0], label=f"{label} (n={len(curves)})")
+    if len(curves) > 1:
+        ax.fill_between(x, np.clip(stats[:, 1], *bounds), np.clip(stats[:, 2], *bounds), alpha=0.2,
+                        color=line.get_color())
+
+
+def plot(args, runs, base):
+    plt = pyplot()
+    prefix = args.figure_prefix or os.path.join(args.out, "trend")
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    what = (f"the lab, {args.split} split" if args.lab else
+            f"{os.path.basename(args.model)}, {os.path.basename(args.dataset)}")
+    title = (f"{what}, {args.prompts}x{args.group_size} samples/step, "
+             f"M = {args.num_mini_batches}, {args.steps} steps; mean over seeds, 95% t-interval shaded")
+
+    datasets = list(next(iter(next(iter(runs.values())).values()))["eval"])
+    fig, axes = plt.subplots(1, len(datasets), figsize=(max(4.6 * len(datasets), 8), 4), squeeze=False)
+    shown = [m for m in PASSK_FIGURE_METHODS if m in runs] or list(runs)
+    ks = np.arange(1, args.eval_n + 1)
+    for ax, ds in zip(axes[0], datasets):
+        if base and ds in base:
+            ax.plot(ks, [base[ds][k] for k in ks], "k--", label="base model")
+        for method in shown:
+            shaded(ax, ks, [[r["eval"][ds][k] for k in ks] for r in runs[method].values()], method, (0, 1))
+        ax.set(title=f"{ds}: held-out pass@k", xlabel="k (samples per problem)", ylabel="pass@k")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({2 ** i for i in range(args.eval_n.bit_length()) if 2 ** i <= args.eval_n} | {args.eval_n})
+        ax.set_xticks(ticks, [str(k) for k in ticks])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(prefix + "_passk.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in zip(axes, ("entropy", "reward"), ("token-mean entropy", "training reward")):
+        for method, by_seed in runs.items():
+            curves = [[row[key] for row in r["rows"]] for r in by_seed.values()]
+            shaded(ax, np.arange(len(curves[0])), curves, method, (0, 1) if key == "reward" else (0, math.inf))
+        ax.set(title=f"{label} against step", xlabel="step")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(prefix + "_curves.png", dpi=120)
+    plt.close(fig)
+    figures = [prefix + "_passk.png", prefix + "_curves.png"]
+
+    critics = [m for m in CRITIC_METHODS if m in runs]
+    if critics:  # the critics per step: what they know (AUC), how far PACS's moves off 1/2 and how much it rewrites
+        panels = [("critic_auc", "critic AUC within groups (0.5: no idea)", (0, 1)),
+                  ("critic_shift", "PACS: mean |sigma(psi) - 1/2|", (0, 0.5)),
+                  ("critic_adv_change", "PACS: |A - A0| / |A0| (share rewritten)", (0, math.inf)),
+                  ("explained_var", "PPO: explained variance of the returns", (-math.inf, 1))]
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4))
+        for ax, (key, label, bounds) in zip(axes, panels):
+            for method in critics:
+                curves = [[math.nan if row.get(key) is None else row[key] for row in r["rows"]]
+                          for r in runs[method].values()]
+                if not np.isnan(np.asarray(curves, dtype=float)).all():
+                    shaded(ax, np.arange(len(curves[0])), curves, method, bounds)
+            if key == "critic_auc":
+                ax.axhline(0.5, color="k", lw=0.8, ls="--")
+            ax.set(title=label, xlabel="step")
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:  # a panel whose metric no run logs stays empty
+                ax.legend(fontsize=8)
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(prefix + "_critic.png", dpi=120)
+        plt.close(fig)
+        figures.append(prefix + "_critic.png")
+    return figures
+
+
+
+def plot_axis(summary, path):
+    """The axis: against prompts per mini-batch, the critic's pooled AUC per method, and PACS - critic-off in
+    held-out pass@1 paired by seed; each a mean over seeds with its 95% t-interval as error bars."""
+    plt = pyplot()
+    by = {}
+    for a in summary["axis"]:
+        by.setdefault(a["prompts_per_mini_batch"], {}).setdefault(a["method"], {})[a["seed"]] = a
+    xs = sorted(by)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for method in AXIS_METHODS:
+        stats = [t_interval([r["critic_auc"] for r in by[x].get(method, {}).values() if r["critic_auc"] is not None])
+                 for x in xs]
+        mean = np.array([s[0] for s in stats])
+        err = np.array([[m - lo, hi - m] if not math.isnan(lo) else [0, 0] for m, lo, hi in stats]).T
+        axes[0].errorbar(xs, mean, yerr=err, marker="o", capsize=3, label=method)
+    axes[0].axhline(0.5, color="k", lw=0.8, ls="--")
+    axes[0].set(title="critic AUC on mini-batches 1..M-1 (pooled per run)", xlabel="prompts per mini-batch")
+    diffs = [t_interval(paired_differences({s: r["pass@1"] for s, r in by[x].get("pacs", {}).items()},
+                                           {s: r["pass@1"] for s, r in by[x].get("pacs-critic-off", {}).items()})[1])
+             for x in xs]
+    err = np.array([[m - lo, hi - m] if not math.isnan(lo) else [0, 0] for m, lo, hi in diffs]).T
+    axes[1].errorbar(xs, [d[0] for d in diffs], yerr=err, marker="o", capsize=3, color="C2")
+    axes[1].axhline(0.0, color="k", lw=0.8, ls="--")
+    axes[1].set(title="pacs - pacs-critic-off, held-out pass@1 (paired by seed)", xlabel="prompts per mini-batch")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("The axis: what the critic has to read; mean over seeds, 95% t-interval", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+

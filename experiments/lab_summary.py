@@ -1,0 +1,102 @@
+"""The lab's results from its committed result files alone (docs/lab/results/<split>-p<prompts>[-lr<lr>]/): the
+learning-rate scan's table and choice (scan.json) and the summary of the sweep and its axes (summary.json, in a
+fixed schema tested in tests/test_trend.py).
+"""
+import math
+import os
+
+import numpy as np
+
+from stats import bootstrap_interval, final_mean, paired_differences, pooled_auc, smallest_detectable, t_interval
+from sweep import CLAIMS, SweepError, read_result
+
+
+AXIS_METHODS = ("pacs", "pacs-critic-off")
+SUMMARY_SETTINGS = ("prompts", "group_size", "num_mini_batches", "steps", "max_new_tokens", "eval_problems",
+                    "eval_n", "eval_temperature", "eval_top_p", "eval_max_new_tokens", "lab_weights_sha256")
+
+
+def lab_results(runs_root, prefix):
+    """Every result file under runs_root/<prefix>*/, read, in directory and file-name order."""
+    for d in sorted(os.listdir(runs_root)) if os.path.isdir(runs_root) else []:
+        if d.startswith(prefix) and os.path.isdir(os.path.join(runs_root, d)):
+            for fname in sorted(os.listdir(os.path.join(runs_root, d))):
+                if fname.endswith(".json"):
+                    yield read_result(os.path.join(runs_root, d, fname))
+
+
+def lab_summary(runs_root, prompts=32, last=10):
+    """docs/lab/summary.json's content from the result files under runs_root: settings (the schedule, each method's
+    lr and pacs.py flags, the seeds), runs (every method at `prompts` prompts per step: pass@1, pass@64, the final
+    reward and entropy as means of the last `last` steps, the pooled critic AUC, the boxed-expression share), axis
+    (pacs and pacs-critic-off at every prompts per step swept: prompts per mini-batch, critic AUC, pass@1) and
+    wall_s (the runs' wall time, summed)."""
+    groups = {}
+    for r in lab_results(runs_root, "test-p"):
+        groups.setdefault(r["settings"]["prompts"], []).append(r)
+    if prompts not in groups:
+        raise SweepError(f"no result file for --prompts {prompts} under {runs_root}/test-p*/")
+    main_runs = sorted(groups[prompts], key=lambda r: (r["method"], r["seed"]))
+    first = main_runs[0]["settings"]
+    for r in main_runs:
+        diff = [k for k in SUMMARY_SETTINGS if r["settings"].get(k) != first.get(k)]
+        if diff:
+            raise SweepError(f"{r['method']}-s{r['seed']} differs from the other runs in {', '.join(diff)}")
+
+    def entry(r):
+        rows = [dict(zip(r["metrics"], vals)) for vals in zip(*r["metrics"].values())]
+        passk = next(iter(r["eval"].values()))
+        auc = pooled_auc(rows)
+        return {"method": r["method"], "seed": r["seed"], "pass@1": passk["1"], "pass@64": passk.get("64"),
+                "final_reward": final_mean(rows, "reward", last), "final_entropy": final_mean(rows, "entropy", last),
+                "critic_auc": None if math.isnan(auc) else auc, "boxed_expressions": r["boxed_expressions"]}
+
+    settings = {k: first.get(k) for k in SUMMARY_SETTINGS}
+    methods = sorted({r["method"] for r in main_runs})
+    settings.update({"lr": {m: next(r["settings"]["lr"] for r in main_runs if r["method"] == m) for m in methods},
+                     "pacs_flags": {m: next(r["settings"]["pacs_flags"] for r in main_runs if r["method"] == m)
+                                    for m in methods},
+                     "seeds": {m: sorted(r["seed"] for r in main_runs if r["method"] == m) for m in methods},
+                     "final_mean_of_last_steps": last})
+    entries = {p: [entry(r) for r in rs] for p, rs in groups.items()}  # each result file's row, computed once
+    runs = sorted(entries[prompts], key=lambda e: (e["method"], e["seed"]))
+    axis = [{"prompts_per_mini_batch": p // r["settings"]["num_mini_batches"], **{k: e[k] for k in (
+        "method", "seed", "critic_auc", "pass@1")}} for p in sorted(groups) for r, e in zip(groups[p], entries[p])
+        if r["method"] in AXIS_METHODS]
+    swept = prompts // first["num_mini_batches"]  # the sweep's prompts per mini-batch: its claims, both metrics
+    paired = [paired_entry(runs, a, b, metric, swept) for a, b in CLAIMS for metric in ("pass@1", "pass@64")]
+    paired += [paired_entry([e for e in axis if e["prompts_per_mini_batch"] == ppm], "pacs", "pacs-critic-off",
+                            "pass@1", ppm) for ppm in sorted({e["prompts_per_mini_batch"] for e in axis} - {swept})]
+    return {"settings": settings, "runs": runs, "axis": axis, "paired": [p for p in paired if p["seeds"]],
+            "wall_s": round(sum(r["wall_s"] for rs in groups.values() for r in rs), 1)}
+
+
+def paired_entry(entries, a, b, metric, prompts_per_mini_batch):
+    """a - b in `metric`, paired by seed over the entries (summary runs or axis points): the mean, its 95% t- and
+    bootstrap intervals, and the smallest difference this many seeds could detect (80% power); None for nan."""
+    by = {}
+    for e in entries:
+        if e.get(metric) is not None:
+            by.setdefault(e["method"], {})[e["seed"]] = e[metric]
+    seeds, d = paired_differences(by.get(a, {}), by.get(b, {}))
+    clean = lambda x: None if math.isnan(x) else round(float(x), 5)
+    t, boot = t_interval(d), bootstrap_interval(d)
+    return {"prompts_per_mini_batch": prompts_per_mini_batch, "a": a, "b": b, "metric": metric, "seeds": len(seeds),
+            "mean": clean(t[0]), "ci95_t": [clean(t[1]), clean(t[2])], "ci95_bootstrap": [clean(boot[1]), clean(boot[2])],
+            "detectable_80": clean(smallest_detectable(d))}
+
+
+
+def lab_scan(runs_root, prompts=32):
+    """The learning-rate scan at `prompts` prompts per step from the result files in runs_root/val-p<prompts>-lr*/:
+    {"pass@1": {method: {lr: [validation pass@1 per seed]}}, "choice": {method: the lr of the highest mean}}
+    (ties: the smaller lr)."""
+    table = {}
+    for r in lab_results(runs_root, f"val-p{prompts}-lr"):
+        table.setdefault(r["method"], {}).setdefault(r["settings"]["lr"], []).append(
+            next(iter(r["eval"].values()))["1"])
+    if not table:
+        raise SweepError(f"no scan result under {runs_root}/val-p{prompts}-lr*/")
+    choice = {m: max(sorted(by_lr), key=lambda lr: float(np.mean(by_lr[lr]))) for m, by_lr in table.items()}
+    return {"pass@1": {m: {str(lr): v for lr, v in sorted(by_lr.items())} for m, by_lr in table.items()},
+            "choice": choice}

@@ -1,0 +1,108 @@
+"""The sweep's statistics over seeds: pure functions on plain numbers, scipy.stats underneath.
+
+A run's seed fixes its data order; two methods at one seed saw the same prompts in the same order, so methods
+are compared paired by seed. Per method: the mean over seeds and its t-interval. Per comparison: the paired
+differences, their t-interval (scipy.stats.ttest_rel's), their percentile bootstrap over seeds
+(scipy.stats.bootstrap, paired, seeded) and the smallest true difference the seeds could detect. Tested in
+tests/test_trend.py against closed forms and by simulation.
+"""
+import math
+
+import numpy as np
+from scipy import stats
+
+
+def t_interval(values, level=0.95):
+    """(mean, lo, hi): the mean over seeds and its t-interval mean -/+ t_{(1+level)/2, n-1} * s / sqrt(n),
+    s the sample standard deviation (n - 1). Fewer than 2 values: lo = hi = nan (no spread to measure)."""
+    x = np.asarray(values, dtype=float)  # (n,)
+    if len(x) == 0:
+        return (math.nan, math.nan, math.nan)
+    if len(x) < 2:
+        return (float(x[0]), math.nan, math.nan)
+    # the same as scipy.stats.ttest_1samp(x, 0).confidence_interval(level), and for paired differences
+    # ttest_rel(a, b).confidence_interval(level); written out so that a zero spread gives mean +/- 0, not nan
+    half = stats.t.ppf((1 + level) / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+    return (float(x.mean()), float(x.mean() - half), float(x.mean() + half))
+
+
+def smallest_detectable(diffs, level=0.95, power=0.8):
+    """The smallest true mean paired difference a two-sided paired t-test at `level` detects with probability
+    `power`, given the spread of these differences: (t_{(1+level)/2, n-1} + t_{power, n-1}) * s / sqrt(n), the
+    usual approximation (it takes s as known). nan with fewer than 2 differences."""
+    d = np.asarray(diffs, dtype=float)  # (n,)
+    if len(d) < 2:
+        return math.nan
+    df = len(d) - 1
+    return float((stats.t.ppf((1 + level) / 2, df) + stats.t.ppf(power, df)) * d.std(ddof=1) / math.sqrt(len(d)))
+
+
+def paired_differences(a, b):
+    """Seeds both runs have, and a[seed] - b[seed] for each: the comparison is within a seed, where both
+    methods saw the same prompts in the same order, so the seed-to-seed spread cancels."""
+    seeds = sorted(set(a) & set(b))
+    return seeds, np.array([a[s] - b[s] for s in seeds], dtype=float)  # (n,)
+
+
+def bootstrap_interval(diffs, level=0.95, n_boot=10000, seed=0):
+    """(mean, lo, hi): the mean paired difference and its percentile bootstrap interval, resampling seeds
+    with replacement (seeded, so a rerun prints the same interval). Fewer than 2: lo = hi = nan.
+    With few seeds the percentile bootstrap is narrower than the t-interval (it ignores that s is itself
+    estimated), so the summary prints the paired t-interval beside it."""
+    d = np.asarray(diffs, dtype=float)  # (n,)
+    if len(d) == 0:
+        return (math.nan, math.nan, math.nan)
+    if len(d) < 2:
+        return (float(d[0]), math.nan, math.nan)
+    # resampling the differences d = a - b is scipy's paired bootstrap of (a, b) with statistic mean(a - b)
+    ci = stats.bootstrap((d,), np.mean, n_resamples=n_boot, confidence_level=level, method="percentile",
+                         rng=np.random.default_rng(seed)).confidence_interval
+    return (float(d.mean()), float(ci.low), float(ci.high))
+
+
+def claim_sentence(a, b, metric, n, boot, t):
+    """One sentence: does the bootstrap interval of a - b exclude zero? boot, t: (mean, lo, hi).
+    An end exactly at 0 does not exclude it. The t-interval is named when it reads differently."""
+    mean, lo, hi = boot
+    head = f"{a} - {b}, {metric}: {mean:+.3f}"
+    if n < 2 or math.isnan(lo):
+        return f"{head} over {n} paired seed(s): too few seeds for an interval, no claim."
+    head += f", 95% bootstrap interval [{lo:+.3f}, {hi:+.3f}] over {n} paired seeds"
+    if lo > 0:
+        verdict, t_agrees = f"excludes zero: {a} is higher", t[1] > 0
+    elif hi < 0:
+        verdict, t_agrees = f"excludes zero: {a} is lower", t[2] < 0
+    else:
+        verdict, t_agrees = f"includes zero: {a} and {b} do not separate", t[1] <= 0 <= t[2]
+    note = "" if t_agrees else (f" (the paired t-interval, [{t[1]:+.3f}, {t[2]:+.3f}], "
+                                f"{'excludes' if t[1] > 0 or t[2] < 0 else 'includes'} zero)")
+    return f"{head}; it {verdict}{note}."
+
+
+def auc_sentence(method, n, stat):
+    """One sentence: does the t-interval over seeds of a critic's AUC exclude 0.5 (chance)?"""
+    mean, lo, hi = stat
+    if n < 2 or math.isnan(lo):
+        return f"{method}: critic AUC {mean:.3f} over {n} seed(s): too few seeds for an interval, no claim."
+    verdict = ("excludes 0.5: the critic ranks right responses above wrong ones more often than chance" if lo > 0.5
+               else "excludes 0.5: the critic ranks wrong responses above right ones" if hi < 0.5
+               else "includes 0.5: no evidence that the critic ranks better than chance")
+    return f"{method}: critic AUC {mean:.3f}, 95% t-interval [{lo:.3f}, {hi:.3f}] over {n} seeds; it {verdict}."
+
+
+def fmt_ci(stat):
+    mean, lo, hi = stat
+    return f"{mean:.3f}" if math.isnan(lo) else f"{mean:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def final_mean(rows, key, last):
+    """Mean of `key` over the last `last` logged steps: one step's reward on 32 samples is noisy."""
+    return float(np.mean([r[key] for r in rows[-last:]]))
+
+
+def pooled_auc(rows):
+    """A run's critic AUC over all its steps: (right, wrong) pairs ranked right / pairs, pooled (steps with few
+    pairs weigh little); nan when no step had a mixed group in mini-batches 1..M-1."""
+    pairs = sum(r.get("critic_pairs") or 0 for r in rows)
+    won = sum(r["critic_auc"] * r["critic_pairs"] for r in rows if r.get("critic_pairs"))
+    return won / pairs if pairs else math.nan
