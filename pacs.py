@@ -781,18 +781,39 @@ def _autocast(cfg, device):
     return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
+# sigma(psi) bin edges of the critic's reliability counts: psi is centred per group and small (|sigma - 1/2| ~ 0.03
+# at beta = 1 in the lab), so the bins are fine near 1/2 and coarse in the tails; symmetric about 1/2
+CALIBRATION_EDGES = (0.0, 0.3, 0.4, 0.45, 0.47, 0.48, 0.49, 0.5, 0.51, 0.52, 0.53, 0.55, 0.6, 0.7, 1.0)
+
+
+def calibration_counts(psi, rewards):
+    """Per sigma(psi) bin (CALIBRATION_EDGES): the responses, the sum of their sigma(psi), and how many were right
+    (host lists); summed over steps and runs they draw a reliability diagram: mean sigma(psi) against the
+    observed success rate, bin by bin."""
+    p = torch.sigmoid(psi.float())  # (B,)
+    edges = torch.tensor(CALIBRATION_EDGES[1:-1])  # inner edges
+    bins = torch.bucketize(p, edges, right=True)  # (B,) bin index; sigma exactly 1/2 falls in [0.5, 0.51)
+    k = len(CALIBRATION_EDGES) - 1
+    return {"n": torch.bincount(bins, minlength=k).tolist(),
+            "sigma": torch.zeros(k).index_add_(0, bins, p).tolist(),
+            "right": torch.bincount(bins, weights=(rewards > 0.5).float(), minlength=k).long().tolist()}
+
+
 def implicit_critic_metrics(psi, rewards, group_size, balance):
     """PACS's critic sigma(psi) on the rows of mini-batches 1..M-1 (host values; None where undefined):
     critic_auc        share of (right, wrong) pairs within mixed groups that psi ranks right (group_auc)
     critic_shift      mean |sigma(psi) - 1/2|: how far the critic moved off "no idea"
-    critic_adv_change |A - A0| / |A0|: the share of the update's advantage the critic rewrote (critic_change)"""
+    critic_adv_change |A - A0| / |A0|: the share of the update's advantage the critic rewrote (critic_change)
+    critic_calibration per sigma(psi) bin: responses, their summed sigma(psi), right ones (calibration_counts)"""
     if psi.numel() == 0:  # M = 1: psi == 0, the critic never acts
-        return {"critic_auc": None, "critic_pairs": 0, "critic_shift": None, "critic_adv_change": None}
+        return {"critic_auc": None, "critic_pairs": 0, "critic_shift": None, "critic_adv_change": None,
+                "critic_calibration": None}
     won, pairs = group_auc(psi, rewards, group_size)
     diff2, base2 = critic_change(psi, rewards, group_size, balance)
     return {"critic_auc": (won / pairs).item() if pairs else None, "critic_pairs": int(pairs),
             "critic_shift": (torch.sigmoid(psi) - 0.5).abs().mean().item(),
-            "critic_adv_change": (diff2 / base2).sqrt().item() if base2 > 0 else None}
+            "critic_adv_change": (diff2 / base2).sqrt().item() if base2 > 0 else None,
+            "critic_calibration": calibration_counts(psi.cpu(), rewards.cpu())}
 
 
 def value_model_metrics(values, returns, mask, rewards, group_size, later, updates):

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from lab_summary import AXIS_METHODS
+from lab_summary import AXIS_METHODS, BETA_METHODS
 from stats import paired_differences, t_interval
 from sweep import CRITIC_METHODS, PASSK_FIGURE_METHODS
 
@@ -103,6 +103,10 @@ def plot(args, runs, base):
     return figures
 
 
+def error_bars(stats):
+    """matplotlib's yerr (2, n) from (mean, lo, hi) intervals; 0 where an interval is undefined (one seed)."""
+    return np.array([[m - lo, hi - m] if not math.isnan(lo) else [0, 0] for m, lo, hi in stats]).T
+
 
 def plot_axis(summary, path):
     """The axis: against prompts per mini-batch, the critic's pooled AUC per method, and PACS - critic-off in
@@ -116,16 +120,13 @@ def plot_axis(summary, path):
     for method in AXIS_METHODS:
         stats = [t_interval([r["critic_auc"] for r in by[x].get(method, {}).values() if r["critic_auc"] is not None])
                  for x in xs]
-        mean = np.array([s[0] for s in stats])
-        err = np.array([[m - lo, hi - m] if not math.isnan(lo) else [0, 0] for m, lo, hi in stats]).T
-        axes[0].errorbar(xs, mean, yerr=err, marker="o", capsize=3, label=method)
+        axes[0].errorbar(xs, [s[0] for s in stats], yerr=error_bars(stats), marker="o", capsize=3, label=method)
     axes[0].axhline(0.5, color="k", lw=0.8, ls="--")
     axes[0].set(title="critic AUC on mini-batches 1..M-1 (pooled per run)", xlabel="prompts per mini-batch")
     diffs = [t_interval(paired_differences({s: r["pass@1"] for s, r in by[x].get("pacs", {}).items()},
                                            {s: r["pass@1"] for s, r in by[x].get("pacs-critic-off", {}).items()})[1])
              for x in xs]
-    err = np.array([[m - lo, hi - m] if not math.isnan(lo) else [0, 0] for m, lo, hi in diffs]).T
-    axes[1].errorbar(xs, [d[0] for d in diffs], yerr=err, marker="o", capsize=3, color="C2")
+    axes[1].errorbar(xs, [d[0] for d in diffs], yerr=error_bars(diffs), marker="o", capsize=3, color="C2")
     axes[1].axhline(0.0, color="k", lw=0.8, ls="--")
     axes[1].set(title="pacs - pacs-critic-off, held-out pass@1 (paired by seed)", xlabel="prompts per mini-batch")
     for ax in axes:
@@ -140,3 +141,52 @@ def plot_axis(summary, path):
     plt.close(fig)
     return path
 
+
+
+def plot_beta(summary, path):
+    """The critic's strength: against beta, PACS's pooled critic AUC and PACS(beta) - critic-off in held-out pass@1
+    paired by seed (mean over seeds, 95% t-interval); and the reliability of sigma(psi) at each beta: per bin of
+    sigma(psi) on mini-batches 1..M-1 (pooled over steps and seeds), the observed success rate of its responses
+    against their mean sigma(psi), the marker's area by the bin's count and the count written beside it."""
+    plt = pyplot()
+    by = {}
+    for b in summary["beta_axis"]:
+        by.setdefault(b["beta"], {})[b["seed"]] = b
+    off = {r["seed"]: r["pass@1"] for r in summary["runs"] if r["method"] == "pacs-critic-off"}
+    betas = sorted(by)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    aucs = [t_interval([r["critic_auc"] for r in by[b].values() if r["critic_auc"] is not None]) for b in betas]
+    axes[0].errorbar(betas, [a[0] for a in aucs], yerr=error_bars(aucs), marker="o", capsize=3)
+    axes[0].axhline(0.5, color="k", lw=0.8, ls="--")
+    axes[0].set(title="PACS's critic AUC on mini-batches 1..M-1 (pooled per run)", xlabel="beta")
+    diffs = [t_interval(paired_differences({s: r["pass@1"] for s, r in by[b].items()}, off)[1]) for b in betas]
+    axes[1].errorbar(betas, [d[0] for d in diffs], yerr=error_bars(diffs), marker="o", capsize=3, color="C2")
+    axes[1].axhline(0.0, color="k", lw=0.8, ls="--")
+    axes[1].set(title="PACS(beta) - pacs-critic-off, held-out pass@1 (paired by seed)", xlabel="beta")
+    for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(betas, [f"{b:g}" for b in betas])
+        ax.minorticks_off()
+    ax = axes[2]
+    for i, method in enumerate(m for m in BETA_METHODS if m in summary["calibration"]):
+        c = summary["calibration"][method]
+        n, right, sigma = (np.array(c[k], dtype=float) for k in ("n", "right", "sigma"))
+        keep = n > 0
+        x, y = sigma[keep] / n[keep], right[keep] / n[keep]
+        beta = next(b["beta"] for b in summary["beta_axis"] if b["method"] == method)
+        ax.plot(x, y, "-", color=f"C{i}", lw=0.8, alpha=0.6)
+        ax.scatter(x, y, s=8 + 80 * n[keep] / n.max(), color=f"C{i}", label=f"beta {beta:g} ({int(n.sum()):,} responses)")
+        for xi, yi, ni in zip(x, y, n[keep]):
+            ax.annotate(f"{int(ni)}", (xi, yi), fontsize=5, xytext=(2, 2), textcoords="offset points", color=f"C{i}")
+    lims = ax.get_xlim()
+    ax.plot(lims, lims, "k--", lw=0.8, label="calibrated (y = x)")
+    ax.set(title="reliability of sigma(psi): success rate per bin", xlabel="mean sigma(psi) in the bin",
+           ylabel="observed success rate")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[2].legend(fontsize=7)
+    fig.suptitle("The critic's strength: PACS at each beta, 16 seeds; mean over seeds, 95% t-interval", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

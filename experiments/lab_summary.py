@@ -12,6 +12,7 @@ from sweep import CLAIMS, SweepError, read_result
 
 
 AXIS_METHODS = ("pacs", "pacs-critic-off")
+BETA_METHODS = ("pacs-beta0.5", "pacs", "pacs-beta2", "pacs-beta4")  # PACS at each beta (the critic's strength)
 SUMMARY_SETTINGS = ("prompts", "group_size", "num_mini_batches", "steps", "max_new_tokens", "eval_problems",
                     "eval_n", "eval_temperature", "eval_top_p", "eval_max_new_tokens", "lab_weights_sha256")
 
@@ -30,7 +31,8 @@ def lab_summary(runs_root, prompts=32, last=10):
     lr and pacs.py flags, the seeds), runs (every method at `prompts` prompts per step: pass@1, pass@64, the final
     reward and entropy as means of the last `last` steps, the pooled critic AUC, the boxed-expression share), axis
     (pacs and pacs-critic-off at every prompts per step swept: prompts per mini-batch, critic AUC, pass@1) and
-    wall_s (the runs' wall time, summed)."""
+    beta_axis (PACS at each beta: critic AUC, pass@1, pass@64), calibration (per method, the critic's reliability
+    counts summed over steps and seeds) and wall_s (the runs' wall time, summed)."""
     groups = {}
     for r in lab_results(runs_root, "test-p"):
         groups.setdefault(r["settings"]["prompts"], []).append(r)
@@ -67,8 +69,30 @@ def lab_summary(runs_root, prompts=32, last=10):
     paired = [paired_entry(runs, a, b, metric, swept) for a, b in CLAIMS for metric in ("pass@1", "pass@64")]
     paired += [paired_entry([e for e in axis if e["prompts_per_mini_batch"] == ppm], "pacs", "pacs-critic-off",
                             "pass@1", ppm) for ppm in sorted({e["prompts_per_mini_batch"] for e in axis} - {swept})]
+    beta_axis = [{"beta": flag_value(r["settings"]["pacs_flags"], "--beta"), **{k: e[k] for k in (
+        "method", "seed", "pass@1", "pass@64", "critic_auc")}} for r, e in zip(groups[prompts], entries[prompts])
+        if r["method"] in BETA_METHODS]
+    beta_axis.sort(key=lambda b: (b["beta"], b["seed"]))
+    paired += [paired_entry(runs, m, "pacs-critic-off", metric, swept) for m in BETA_METHODS if m != "pacs"
+               for metric in ("pass@1", "pass@64")]  # PACS(beta) - critic-off: what a stronger critic adds
+    calibration = {}
+    for r in main_runs:
+        calibration[r["method"]] = add_counts(calibration.get(r["method"]), r.get("calibration"))
     return {"settings": settings, "runs": runs, "axis": axis, "paired": [p for p in paired if p["seeds"]],
+            "beta_axis": beta_axis, "calibration": {m: c for m, c in calibration.items() if c},
             "wall_s": round(sum(r["wall_s"] for rs in groups.values() for r in rs), 1)}
+
+
+def flag_value(flags, name):
+    """The float after `name` in a pacs.py flag list (the beta of a PACS run)."""
+    return float(flags[flags.index(name) + 1])
+
+
+def add_counts(a, b):
+    """Two runs' reliability counts (sweep.pooled_calibration) summed bin by bin; either may be None."""
+    if not a or not b:
+        return a or b
+    return {"edges": a["edges"], **{k: [round(x + y, 4) for x, y in zip(a[k], b[k])] for k in ("n", "sigma", "right")}}
 
 
 def paired_entry(entries, a, b, metric, prompts_per_mini_batch):

@@ -169,9 +169,21 @@ def boxed_expressions(samples_path):
     return odd / right if right else 0.0
 
 
+def pooled_calibration(rows):
+    """The critic's reliability counts (pacs.py's critic_calibration: per sigma(psi) bin, responses, summed
+    sigma(psi), right ones) summed over a run's steps, with the bin edges; None when no step logged them."""
+    logged = [r["critic_calibration"] for r in rows if r.get("critic_calibration")]
+    if not logged:
+        return None
+    return {"edges": list(pacs.CALIBRATION_EDGES),
+            **{k: [round(sum(c[k][i] for c in logged), 4) for i in range(len(logged[0][k]))]
+               for k in ("n", "sigma", "right")}}
+
+
 def write_result(args, method, seed, wall_s):
-    """--results/<method>-s<seed>.json: the run's settings, per-step metrics (RESULT_KEYS), held-out pass@k for
-    every k, the boxed-expression share and the wall time; written to a temp file and renamed."""
+    """--results/<method>-s<seed>.json: the run's settings, per-step metrics (RESULT_KEYS), the critic's reliability
+    counts over its steps (pooled_calibration), held-out pass@k for every k, the boxed-expression share, the wall
+    time and the machine; written to a temp file and renamed."""
     rows = read_metrics(os.path.join(run_dir(args, method, seed), "metrics.jsonl"))[:args.steps]
     ev = eval_dir(args, method, seed)
     with open(os.path.join(ev, "metrics.json")) as f:
@@ -179,6 +191,7 @@ def write_result(args, method, seed, wall_s):
     out = {"method": method, "seed": seed, "settings": result_settings(args, method),
            "metrics": {k: [round(v, 5) if isinstance(v, float) else v for v in (r.get(k) for r in rows)]
                        for k in RESULT_KEYS},  # 5 decimals: a run's file stays ~12 KB
+           "calibration": pooled_calibration(rows),
            "eval": {os.path.basename(ds): m["pass@k"] for ds, m in datasets.items()},
            "boxed_expressions": boxed_expressions(os.path.join(ev, "samples.jsonl")), "wall_s": round(wall_s, 1),
            "machine": lab.machine()}

@@ -57,7 +57,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import lab  # noqa: E402  (the shipped lab and its splits)
-from figures import plot, plot_axis  # noqa: E402
+from figures import plot, plot_axis, plot_beta  # noqa: E402
 from lab_summary import lab_scan, lab_summary  # noqa: E402
 from summary import base_pass_at_k, collect, statistics, write_summary  # noqa: E402
 from sweep import (ALIASES, DEFAULT_METHODS, METHODS, SweepError, check_sweep_file, eval_command, eval_dir,  # noqa: E402
@@ -248,9 +248,11 @@ def main(argv=None):
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=1)
             print(f"summary: {args.summary_json} ({len(summary['runs'])} runs, {len(summary['axis'])} on the axis)")
+            where = os.path.dirname(args.summary_json) or "."
             if summary["axis"]:
-                figure = os.path.join(os.path.dirname(args.summary_json) or ".", "lab_axis.png")
-                print(f"figure: {plot_axis(summary, figure)}")
+                print(f"figure: {plot_axis(summary, os.path.join(where, 'lab_axis.png'))}")
+            if len({b["beta"] for b in summary["beta_axis"]}) > 1:
+                print(f"figure: {plot_beta(summary, os.path.join(where, 'lab_beta.png'))}")
     except SweepError as e:
         sys.exit(f"trend.py: error: {e}")
     except subprocess.CalledProcessError as e:

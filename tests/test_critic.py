@@ -84,9 +84,27 @@ def test_critic_change_is_the_share_of_the_advantage_the_critic_rewrote(seed, ba
 
 def test_where_the_critic_does_not_act_its_metrics_are_none_or_zero():
     none = pacs.implicit_critic_metrics(torch.zeros(0), torch.zeros(0), 4, True)  # M = 1
-    assert none == {"critic_auc": None, "critic_pairs": 0, "critic_shift": None, "critic_adv_change": None}
+    assert none == {"critic_auc": None, "critic_pairs": 0, "critic_shift": None, "critic_adv_change": None,
+                    "critic_calibration": None}
     at_zero = pacs.implicit_critic_metrics(torch.zeros(8), torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 1]), 4, True)
     assert at_zero["critic_auc"] == 0.5 and at_zero["critic_shift"] == 0 and at_zero["critic_adv_change"] == 0
+
+
+def test_calibration_counts_bin_sigma_psi_and_count_the_right_responses():
+    """Each response lands in the CALIBRATION_EDGES bin of its sigma(psi) (sigma exactly 1/2 in [0.5, 0.51)); per bin:
+    how many, their summed sigma(psi), how many were right. Against a loop over the responses."""
+    torch.manual_seed(0)
+    psi = torch.cat([torch.randn(200) * 0.1, torch.randn(50) * 2, torch.zeros(6), torch.tensor([-30.0, 30.0])])  # (B,)
+    rewards = (torch.rand(len(psi)) < 0.6).float()  # (B,)
+    c = pacs.calibration_counts(psi, rewards)
+    edges, k = pacs.CALIBRATION_EDGES, len(pacs.CALIBRATION_EDGES) - 1
+    n, sigma, right = [0] * k, [0.0] * k, [0] * k
+    for p, r in zip(torch.sigmoid(psi).tolist(), rewards.tolist()):
+        b = next(i for i in range(k) if edges[i] <= p < edges[i + 1] or i == k - 1)
+        n[b], sigma[b], right[b] = n[b] + 1, sigma[b] + p, right[b] + int(r)
+    assert c["n"] == n and c["right"] == right and c["sigma"] == pytest.approx(sigma, abs=1e-5)
+    assert sum(c["n"]) == len(psi) and c["n"][edges.index(0.5)] >= 6 and c["n"][0] >= 1 and c["n"][-1] >= 1
+    assert list(edges) == sorted(edges) and all(abs(a + b - 1) < 1e-12 for a, b in zip(edges, edges[::-1]))
 
 
 def test_value_model_metrics_by_hand():
@@ -203,6 +221,7 @@ def test_a_pacs_run_logs_the_critic_metrics_on_the_later_mini_batches(tmp_path, 
     for r in rows:
         assert r["critic_pairs"] == 8 and 0 <= r["critic_auc"] <= 1  # 2 mixed groups x 2 x 2 pairs in mini-batch 1
         assert 0 < r["critic_shift"] < 0.5 and r["critic_adv_change"] > 0
+        assert sum(r["critic_calibration"]["n"]) == 8 and sum(r["critic_calibration"]["right"]) == 4  # mini-batch 1
     assert "critic auc" in capsys.readouterr().out
     pacs.main(["--model", model_dir, "--dataset", "synthetic", "--out-dir", str(tmp_path / "m1"), "--group-size", "4",
                "--prompts-per-step", "4", "--num-mini-batches", "1", "--max-new-tokens", "4", "--steps", "1",

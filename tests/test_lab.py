@@ -204,3 +204,74 @@ def test_an_existing_out_is_refused(tmp_path):
     with pytest.raises(SystemExit) as e:
         lab.main(["--out", str(tmp_path / "lab")])
     assert str(e.value) == f"lab.py: error: --out {tmp_path / 'lab'} exists; the lab is built into a new directory"
+
+
+# ---- SFT's loss ---------------------------------------------------------------------------------------
+def test_sft_loss_reads_only_the_solution_and_its_eos(splits):
+    """encode_sft's labels are -100 on the chat prompt and the padding, and the ids on the solution and its EOS:
+    SFT teaches the model to write answers, never to predict the problem it was given."""
+    tok = lab.make_tokenizer()
+    rows = [splits["sft"][0], splits["sft"][1], {"problem": "What is 10+1+1?", "solution": "10+1=11\n11+1=\\boxed{12}"}]
+    ids, labels, attention = lab.encode_sft(tok, rows)  # (N, L) each
+    for i, r in enumerate(rows):
+        prompt = tok(pacs.build_prompt(tok, r["problem"]), add_special_tokens=False)["input_ids"]
+        answer = tok(r["solution"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        n = len(prompt) + len(answer)
+        assert ids[i, :n].tolist() == prompt + answer and attention[i].tolist() == [1] * n + [0] * (ids.shape[1] - n)
+        assert labels[i].tolist() == [-100] * len(prompt) + answer + [-100] * (ids.shape[1] - n)
+        assert tok.decode(labels[i][labels[i] != -100]) == r["solution"] + tok.eos_token
+
+
+# ---- the shipped reference lab (docs/lab/base) -----------------------------------------------------------
+SHIPPED_JSON = os.path.join(lab.SHIPPED, "lab.json")
+
+
+def test_the_shipped_labs_splits_regenerate_from_its_seed(tmp_path):
+    """Python's random is the same on every machine: lab.json's seed and sizes give the splits whose hash it records,
+    and ensure_splits writes them into a lab directory that has none (the shipped one commits none)."""
+    info = json.load(open(SHIPPED_JSON))
+    cfg = info["settings"]
+    splits = lab.make_splits(cfg["seed"], {s: cfg[f"{s}_problems"] for s in lab.SPLITS}, cfg["max_operand"])
+    assert lab.splits_sha(splits) == info["splits_sha256"]
+    (tmp_path / "lab").mkdir()
+    (tmp_path / "lab" / "lab.json").write_text(json.dumps(info))
+    lab.ensure_splits(str(tmp_path / "lab"))
+    assert [json.loads(line) for line in open(tmp_path / "lab" / "test.jsonl")] == splits["test"]
+    info["splits_sha256"] = "0" * 64  # a lab.json whose splits the seed does not give: refused, nothing written
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "lab.json").write_text(json.dumps(info))
+    with pytest.raises(lab.LabError, match="do not match"):
+        lab.ensure_splits(str(tmp_path / "bad"))
+    assert not (tmp_path / "bad" / "test.jsonl").exists()
+
+
+def test_the_shipped_weights_are_the_ones_lab_json_names():
+    from transformers import AutoModelForCausalLM
+    info = json.load(open(SHIPPED_JSON))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(lab.SHIPPED, "model"))
+    assert lab.weights_sha(model) == info["weights_sha256"]
+    assert sum(p.numel() for p in model.parameters()) == info["parameters"] == 332160
+    assert {"torch", "cpu", "threads", "python"} <= set(info["machine"])
+
+
+def _result_files():
+    root = os.path.join(ROOT, "docs", "lab", "results")
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f.endswith(".json"))
+
+
+def test_every_committed_result_trained_from_the_shipped_base():
+    """docs/lab/results/** holds only runs from the shipped weights, each with the machine it ran on; runs from
+    another base live in an archive of their own (docs/lab/archive-<sha>/), each with that sha."""
+    sha = json.load(open(SHIPPED_JSON))["weights_sha256"]
+    files = _result_files()
+    if not files:
+        pytest.skip("no result file from the shipped base committed yet")
+    for path in files:
+        r = json.load(open(path))
+        assert r["settings"]["lab_weights_sha256"] == sha, f"{os.path.relpath(path, ROOT)} trained from another base"
+        assert {"torch", "cpu"} <= set(r["machine"]), path
+    for archive in (d for d in os.listdir(os.path.join(ROOT, "docs", "lab")) if d.startswith("archive-")):
+        prefix = archive.split("-", 1)[1]
+        for d, _, names in os.walk(os.path.join(ROOT, "docs", "lab", archive)):
+            for f in (n for n in names if n.endswith(".json") and re.fullmatch(r".+-s\d+\.json", n)):
+                assert json.load(open(os.path.join(d, f)))["settings"]["lab_weights_sha256"].startswith(prefix)

@@ -142,7 +142,11 @@ class FakeRunner:
                     if critic:  # 2 pairs at even steps, ranked 0.5 + 0.05 * seed; none at odd steps
                         seed = int(_flag(cmd, "--seed"))
                         row.update({"critic_pairs": 2 * (step % 2 == 0), "critic_shift": 0.01 * step,
-                                    "critic_auc": 0.5 + 0.05 * seed if step % 2 == 0 else None})
+                                    "critic_auc": 0.5 + 0.05 * seed if step % 2 == 0 else None,
+                                    # reliability counts: 4 responses a step in bin 7 (sigma ~ 0.505), 3 right
+                                    "critic_calibration": {"n": [0] * 7 + [4] + [0] * 6,
+                                                           "sigma": [0.0] * 7 + [2.02] + [0.0] * 6,
+                                                           "right": [0] * 7 + [3] + [0] * 6}})
                     f.write(json.dumps(row) + "\n")
             ckpt = os.path.join(out, f"checkpoint-{steps - 1:06d}")
             os.makedirs(ckpt, exist_ok=True)
@@ -424,8 +428,10 @@ SUMMARY_RUN_KEYS = {"method", "seed", "pass@1", "pass@64", "final_reward", "fina
 
 
 def check_summary_schema(summary):
-    """The schema of docs/lab/summary.json (and a few more settings): the keys and their types."""
-    assert set(summary) == {"settings", "runs", "axis", "paired", "wall_s"}
+    """The schema of docs/lab/summary.json (and a few more settings): the keys and their types. The first sweep's
+    (the archive's) predates beta_axis and calibration."""
+    assert {"settings", "runs", "axis", "paired", "wall_s"} <= set(summary) <= {
+        "settings", "runs", "axis", "paired", "wall_s", "beta_axis", "calibration"}
     settings = summary["settings"]
     for key in ("prompts", "group_size", "num_mini_batches", "steps", "max_new_tokens", "eval_n"):
         assert isinstance(settings[key], int) and settings[key] >= 1, key
@@ -450,6 +456,14 @@ def check_summary_schema(summary):
         assert p["seeds"] >= 1 and p["metric"] in ("pass@1", "pass@64") and len(p["ci95_t"]) == 2
         assert p["seeds"] == 1 or p["ci95_t"][0] <= p["mean"] <= p["ci95_t"][1]
     assert isinstance(summary["wall_s"], float) and summary["wall_s"] >= 0
+    for b in summary.get("beta_axis", []):
+        assert set(b) == {"beta", "method", "seed", "pass@1", "pass@64", "critic_auc"}
+        assert b["method"] in lab_summary.BETA_METHODS and isinstance(b["beta"], float) and b["beta"] > 0
+        assert isinstance(b["seed"], int) and 0 <= b["pass@1"] <= 1
+    for method, c in summary.get("calibration", {}).items():
+        assert set(c) == {"edges", "n", "sigma", "right"} and len(c["edges"]) == len(c["n"]) + 1
+        assert all(0 <= r <= n for r, n in zip(c["right"], c["n"]))
+        assert all(e0 * n <= sg <= e1 * n + 1e-6 for e0, e1, n, sg in zip(c["edges"], c["edges"][1:], c["n"], c["sigma"]))
 
 
 def test_lab_summary_follows_the_schema(tmp_path, monkeypatch):
@@ -482,6 +496,35 @@ def test_lab_summary_follows_the_schema(tmp_path, monkeypatch):
     assert os.path.getsize(tmp_path / "lab_axis.png") > 0
     with pytest.raises(sweep.SweepError, match="no result file for --prompts 32"):
         lab_summary.lab_summary(str(runs), prompts=32)
+
+
+def test_lab_summary_beta_axis_calibration_and_figure(tmp_path, monkeypatch):
+    """PACS at beta 1 and 2 beside its critic-off: the beta axis (beta read from each run's pacs.py flags), PACS(beta)
+    - critic-off paired, the reliability counts summed over steps and seeds, and lab_beta.png."""
+    monkeypatch.setattr(sweep, "run_command", FakeRunner())
+    runs = tmp_path / "runs"
+    trend.main(_argv(tmp_path / "out", "--methods", "pacs", "pacs-critic-off", "pacs-beta2", "--prompts", "8",
+                     "--results", str(runs / "test-p8"), "--summary-json", str(tmp_path / "summary.json")))
+    summary = json.load(open(tmp_path / "summary.json"))
+    check_summary_schema(summary)
+    assert [(b["beta"], b["method"], b["seed"]) for b in summary["beta_axis"]] == [
+        (1.0, "pacs", 0), (1.0, "pacs", 1), (1.0, "pacs", 2), (2.0, "pacs-beta2", 0), (2.0, "pacs-beta2", 1),
+        (2.0, "pacs-beta2", 2)]
+    assert {(p["a"], p["b"], p["metric"]) for p in summary["paired"]} >= {
+        ("pacs-beta2", "pacs-critic-off", "pass@1"), ("pacs", "pacs-critic-off", "pass@1")}
+    # 4 steps x 3 seeds x 4 responses in bin 7, 3 of them right each step
+    c = summary["calibration"]["pacs-beta2"]
+    assert c["n"][7] == 48 and c["right"][7] == 36 and c["sigma"][7] == pytest.approx(24.24) and sum(c["n"]) == 48
+    assert set(summary["calibration"]) == {"pacs", "pacs-critic-off", "pacs-beta2"}
+    assert os.path.getsize(tmp_path / "lab_beta.png") > 0
+    result = json.load(open(runs / "test-p8" / "pacs-s0.json"))
+    assert result["calibration"]["n"][7] == 16 and result["calibration"]["edges"] == list(pacs_edges())
+    assert {"torch", "cpu", "threads", "python"} <= set(result["machine"])
+
+
+def pacs_edges():
+    import pacs
+    return pacs.CALIBRATION_EDGES
 
 
 def test_lab_scan_picks_each_methods_best_mean_validation_pass1(tmp_path, capsys):
@@ -539,7 +582,9 @@ def test_the_archived_summary_and_scan_regenerate_from_their_result_files():
     committed = json.load(open(os.path.join(ARCHIVE, "summary.json")))
     check_summary_schema(committed)
     again = json.loads(json.dumps(lab_summary.lab_summary(ARCHIVE, prompts=32, last=10)))
-    assert _close(again, committed) == []
+    assert again["beta_axis"] and all(b["beta"] == 1.0 for b in again["beta_axis"])  # the first sweep ran beta 1
+    assert again["calibration"] == {}  # its result files predate the reliability counts
+    assert _close({k: again[k] for k in committed}, committed) == []
     scan = json.loads(json.dumps(lab_summary.lab_scan(ARCHIVE, prompts=32)))
     assert _close(scan, json.load(open(os.path.join(ARCHIVE, "scan.json")))) == []
     assert _close({"x": [1.0, {"y": 0.5}]}, {"x": [1.0, {"y": 0.5002}]}) == ["/x[1]/y: 0.5 against 0.5002"]
