@@ -87,3 +87,10 @@ def test_pages_hold_no_control_characters(page):
     with open(os.path.join(ROOT, page), encoding="utf-8") as f:
         bad = [(n, line) for n, line in enumerate(f, 1) if re.search(r"[\x00-\x08\x0b-\x1f\x7f]", line)]
     assert not bad, f"{page}:{bad[0][0]}: a control character in {bad[0][1]!r}"
+
+
+def test_the_results_page_stays_short():
+    """docs/results.md holds each question's current answer and the runs behind it; a superseded run is one line
+    naming the commit where its full section stands (git keeps it), so the page stays one a reader finishes."""
+    size = os.path.getsize(os.path.join(ROOT, "docs", "results.md"))
+    assert size <= 40 * 1024, f"docs/results.md is {size:,} bytes, over 40 kB: fold superseded runs into one line each"
