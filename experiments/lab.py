@@ -78,18 +78,33 @@ def make_problem(rng, n_ops=2, max_operand=9):
     return {"problem": f"{WHAT_IS} {expr}?", "answer": str(total), "solution": "\n".join(steps)}
 
 
-def make_splits(seed, sizes, max_operand=9):
+def parse_ops(text):
+    """'2' -> (2, 2), '2-4' -> (2, 4): the number of operations of a split's problems, drawn uniformly in the range."""
+    try:
+        lo, _, hi = text.partition("-")
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise LabError(f"operations {text!r}: expected N or A-B, e.g. 2 or 2-4") from None
+    if not 1 <= lo <= hi:
+        raise LabError(f"operations {text!r}: expected 1 <= A <= B")
+    return lo, hi
+
+
+def make_splits(seed, sizes, max_operand=9, ops="2", sft_ops=""):
     """{split: rows} for the splits in SPLITS with sizes[split] rows each, from one seeded stream of problems,
-    each distinct problem kept once: no problem is in two splits. Rows: {id, problem, answer, solution, source}."""
+    each distinct problem kept once: no problem is in two splits. Rows: {id, problem, answer, solution, source}.
+    ops: the operations per problem of the RL splits (test, val, train), sft_ops those of SFT's (default: ops);
+    a range draws each problem's count from the stream (a fixed count draws nothing: the first lab's stream)."""
     rng = random.Random(seed)
     seen, out = set(), {}
     for split in SPLITS:
+        lo, hi = parse_ops(sft_ops or ops) if split == "sft" else parse_ops(ops)
         rows, tries = [], 0
         while len(rows) < sizes[split]:
             tries += 1
             if tries > 20 * sizes[split] + 1000:
                 raise LabError(f"cannot draw {sizes[split]} distinct {split} problems (only {len(rows)} new ones)")
-            p = make_problem(rng, max_operand=max_operand)
+            p = make_problem(rng, lo if lo == hi else rng.randint(lo, hi), max_operand=max_operand)
             if p["problem"] in seen:
                 continue
             seen.add(p["problem"])
@@ -125,7 +140,8 @@ def ensure_splits(lab_dir):
     if "splits_sha256" not in info:
         return
     cfg = info["settings"]
-    splits = make_splits(cfg["seed"], {s: cfg[f"{s}_problems"] for s in SPLITS}, cfg["max_operand"])
+    splits = make_splits(cfg["seed"], {s: cfg[f"{s}_problems"] for s in SPLITS}, cfg["max_operand"],
+                         cfg.get("ops", "2"), cfg.get("sft_ops", ""))
     if splits_sha(splits) != info.get("splits_sha256"):
         raise LabError(f"the splits regenerated from seed {cfg['seed']} do not match {lab_dir}/lab.json's "
                        f"splits_sha256 ({splits_sha(splits)[:12]} against {str(info.get('splits_sha256'))[:12]})")
@@ -291,7 +307,11 @@ def parse_args(argv=None):
     p.add_argument("--val-problems", type=int, default=200, help="the learning-rate scan's and the stop's")
     p.add_argument("--test-problems", type=int, default=200, help="the final pass@k's")
     p.add_argument("--max-operand", type=int, default=9, help="the added and subtracted numbers: 1..this")
-    p.add_argument("--hidden", type=int, default=128, help="hidden size (intermediate: 4x)")
+    p.add_argument("--ops", default="2", help="operations per problem of the RL splits (test, val, train): N or a "
+                   "range A-B drawn uniformly")
+    p.add_argument("--sft-ops", default="", help="operations per SFT solution, N or A-B (default: --ops); fewer "
+                   "than --ops gives the RL splits longer chains than SFT saw")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size (intermediate: 2x)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--sft-lr", type=float, default=1e-3, help="AdamW lr of SFT (after 100 warm-up steps)")
@@ -315,6 +335,7 @@ def check_args(args):
                  "sft_batch", "max_sft_steps", "check_every", "check_problems", "check_n", "max_new_tokens", "eval_n"):
         if getattr(args, flag) < 1:
             raise LabError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    parse_ops(args.ops), parse_ops(args.sft_ops or args.ops)
     if args.hidden % args.heads:
         raise LabError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     if not args.sft_lr > 0:
@@ -329,7 +350,7 @@ def build(args):
     torch.manual_seed(args.seed)
     sizes = {"sft": args.sft_problems, "train": args.train_problems, "val": args.val_problems,
              "test": args.test_problems}
-    splits = make_splits(args.seed, sizes, args.max_operand)
+    splits = make_splits(args.seed, sizes, args.max_operand, args.ops, args.sft_ops)
     os.makedirs(args.out)
     write_splits(args.out, splits)
     tokenizer = make_tokenizer()

@@ -192,25 +192,34 @@ LAB_PRESET = {"prompts": 32, "group_size": 8, "num_mini_batches": 4, "steps": 15
 
 
 def lab_defaults(first, argv):
-    """Defaults of a --lab sweep: LAB_PRESET, the lab's model and splits, and an --out and --results named by
-    the split and the prompts per step (and the lr on the validation split: one directory per scanned lr)."""
+    """Defaults of a --lab sweep: LAB_PRESET (with the lab's own response length and eval samples from its lab.json),
+    the lab's model and splits, and an --out and --results named by the split and the prompts per step (and the lr
+    on the validation split: one directory per scanned lr). A shipped lab, docs/<tag>/base, keeps its result files
+    in docs/<tag>/results/ and its run dirs in experiments/out_<tag>/; a lab built elsewhere, in its own results/."""
     given = any(a == "--prompts" or a.startswith("--prompts=") for a in (sys.argv[1:] if argv is None else argv))
     prompts = first.prompts if given else LAB_PRESET["prompts"]
     name = f"{first.split}-p{prompts}" + (f"-lr{first.lr:g}" if first.split == "val" else "")
     lab_dir = os.path.abspath(first.lab)  # the runs start in the repository root
+    built = {}
     if os.path.isfile(os.path.join(lab_dir, "lab.json")):
         try:
             lab.ensure_splits(lab_dir)  # the shipped lab's splits: regenerated from its seed on first use
         except lab.LabError as e:
             sys.exit(f"trend.py: error: {e}")
+        with open(os.path.join(lab_dir, "lab.json")) as f:
+            built = json.load(f).get("settings", {})
+    shipped = os.path.basename(lab_dir) == "base"
+    tag = os.path.basename(os.path.dirname(lab_dir)) if shipped else os.path.basename(lab_dir)
+    results = (os.path.join(os.path.dirname(lab_dir), "results", name) if shipped
+               else os.path.join(lab_dir, "results", name))
     # one forward per mini-batch up to 64 rows (8 prompts x 8); 1 prompt per mini-batch: 8 rows
     rows = prompts // first.num_mini_batches * first.group_size
     micro = max([m for m in (64, 32, 16, 8) if rows % m == 0] or [first.group_size])
-    return {**LAB_PRESET, "pacs_args": f"--micro-batch-size {micro} --device cpu",
+    return {**LAB_PRESET, **{k: built[k] for k in ("max_new_tokens", "eval_n") if k in built},
+            "pacs_args": f"--micro-batch-size {micro} --device cpu",
             "model": os.path.join(lab_dir, "model"), "dataset": os.path.join(lab_dir, "train.jsonl"),
             "eval_datasets": os.path.join(lab_dir, f"{first.split}.jsonl"),
-            "out": os.path.join(ROOT, "experiments", "out_lab", name), "results": os.path.join(ROOT, "docs", "lab",
-                                                                                              "results", name)}
+            "out": os.path.join(ROOT, "experiments", f"out_{tag}", name), "results": results}
 
 
 def main(argv=None):

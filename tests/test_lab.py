@@ -89,6 +89,18 @@ def test_verify_takes_an_expression_equal_to_the_gold_as_right():
     assert not verify("\\boxed{63+8-4}", "66")
 
 
+def test_ops_ranges_give_longer_chains_than_sft_saw():
+    """--ops A-B draws each RL problem's number of operations in [A, B], --sft-ops SFT's; a solution writes one line
+    per operation, and the answer is the chain's value."""
+    splits = lab.make_splits(0, {"sft": 2000, "train": 400, "val": 100, "test": 100}, 9, "2-4", "1-3")
+    lines = lambda rows: {r["solution"].count("\n") + 1 for r in rows}
+    assert lines(splits["sft"]) == {1, 2, 3} and lines(splits["test"]) == lines(splits["train"]) == {2, 3, 4}
+    for r in splits["test"]:
+        assert eval(r["problem"][len("What is "):-1]) == int(r["answer"])  # noqa: S307 (digits, + and - only)
+        assert r["solution"].count("\n") + 1 == len(re.findall(r"[+-]", r["problem"]))
+    assert lab.parse_ops("3") == (3, 3) and lab.parse_ops("2-5") == (2, 5)
+
+
 # ---- the tokenizer ----------------------------------------------------------------------------------
 def test_tokenizer_keeps_sequences_short_and_survives_a_reload(splits, tmp_path):
     tok = lab.make_tokenizer()
@@ -191,6 +203,8 @@ def test_pacs_trains_on_the_toy_lab(toy_lab, tmp_path):
     (["--hidden", "30", "--heads", "4"], "--hidden 30 is not divisible by --heads 4"),
     (["--eval-n", "0"], "--eval-n must be at least 1"),
     (["--target", "1.5"], "--target must be in (0, 1]"),
+    (["--ops", "4-2"], "operations '4-2': expected 1 <= A <= B"),
+    (["--sft-ops", "two"], "operations 'two': expected N or A-B"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, flags, message):
     with pytest.raises(SystemExit) as e:

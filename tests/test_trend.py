@@ -402,7 +402,20 @@ def test_lab_preset_fills_the_flags_left_unset(tmp_path):
     assert (args.eval_n, args.eval_problems, args.eval_temperature, args.seeds) == (64, 0, 1.0, list(range(16)))
     assert args.model == os.path.join(lab, "model") and args.dataset == os.path.join(lab, "train.jsonl")
     assert trend.parse_args(["--lab", os.path.relpath(lab)]).model == args.model  # absolute: runs start in ROOT
-    assert args.eval_datasets == os.path.join(lab, "test.jsonl") and args.results.endswith("docs/lab/results/test-p32")
+    assert args.eval_datasets == os.path.join(lab, "test.jsonl")
+    # a lab built elsewhere keeps its results inside it; a shipped one (docs/<tag>/base) in docs/<tag>/results/
+    assert args.results == os.path.join(lab, "results", "test-p32") and args.out.endswith("experiments/out_lab/test-p32")
+    shipped = trend.parse_args(["--lab"])
+    assert shipped.model == os.path.join(sweep.ROOT, "docs", "lab", "base", "model")
+    assert shipped.results == os.path.join(sweep.ROOT, "docs", "lab", "results", "test-p32")
+    assert shipped.out == os.path.join(sweep.ROOT, "experiments", "out_lab", "test-p32")
+    other = _fake_lab(tmp_path / "docs" / "lab2" / "base")
+    json.dump({"weights_sha256": "cd" * 32, "settings": {"max_new_tokens": 48, "eval_n": 256}},
+              open(os.path.join(other, "lab.json"), "w"))
+    second = trend.parse_args(["--lab", other])  # the lab's own response length and eval samples
+    assert (second.max_new_tokens, second.eval_n) == (48, 256) and (args.max_new_tokens, args.eval_n) == (32, 64)
+    assert second.results == str(tmp_path / "docs" / "lab2" / "results" / "test-p32")
+    assert second.out.endswith("experiments/out_lab2/test-p32")
     given = trend.parse_args(["--lab", lab, "--prompts", "4", "--steps", "3"])
     assert (given.prompts, given.steps, given.results.endswith("results/test-p4")) == (4, 3, True)
     assert args.pacs_args == "--micro-batch-size 64 --device cpu"  # a mini-batch of 8 prompts in one forward
