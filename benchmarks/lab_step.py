@@ -1,8 +1,7 @@
 """Wall time of one pacs.py training step on the lab (experiments/lab.py), phase by phase, on one CPU thread.
 
-    python experiments/lab.py --out experiments/out_lab/lab --seed 0          # once
-    OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab experiments/out_lab/lab --micro-batch-size 64
-    OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab experiments/out_lab/lab --profile   # cProfile of one step
+    OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab docs/lab/base --micro-batch-size 64   # the shipped base
+    OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab docs/lab/base --profile   # cProfile of one step
 
 Runs pacs.train_step (the trainer's own step: sample, verify, pi_old log-probs, M AdamW updates) at 32 prompts
 x G = 8, M = 4 by default, after --warmup untimed steps, and prints the mean and min over --steps timed steps of
@@ -21,13 +20,15 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import pacs  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import lab  # noqa: E402  (the shipped lab's splits, regenerated from its seed)
 
 PHASES = ("time_generate", "time_verify", "time_old_logprobs", "time_update", "step_time")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lab", required=True, help="a directory experiments/lab.py built")
+    p.add_argument("--lab", required=True, help="a directory experiments/lab.py built (docs/lab/base: the shipped one)")
     p.add_argument("--algo", default="pacs", choices=["pacs", "grpo", "ppo", "reinforce"])
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
@@ -42,6 +43,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not os.path.isdir(os.path.join(args.lab, "model")):
         sys.exit(f"lab_step.py: error: no model/ in {args.lab} (build it with experiments/lab.py --out {args.lab})")
+    lab.ensure_splits(args.lab)  # a shipped lab commits no splits
     torch.set_num_threads(args.threads)
     cfg = pacs.Config(model=os.path.join(args.lab, "model"), dataset=os.path.join(args.lab, "train.jsonl"),
                       algo=args.algo, prompts_per_step=args.prompts, group_size=args.group_size,
