@@ -19,6 +19,15 @@ def pyplot():
     return plt
 
 
+def save(fig, path, title):
+    """The figure's title, a tight layout, written to path at 120 dpi and closed; returns path."""
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
+
+
 def shaded(ax, x, curves, label, bounds=(-math.inf, math.inf)):
     """Mean over seeds (rows of curves) with its 95% t-interval shaded, the band cut to the values the
     metric can take (with few seeds a t-interval of a rate reaches below 0 and above 1)."""
@@ -55,10 +64,7 @@ def plot(args, runs, base):
         ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(prefix + "_passk.png", dpi=120)
-    plt.close(fig)
+    save(fig, prefix + "_passk.png", title)
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in zip(axes, ("entropy", "reward"), ("token-mean entropy", "training reward")):
@@ -69,10 +75,7 @@ def plot(args, runs, base):
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(prefix + "_curves.png", dpi=120)
-    plt.close(fig)
+    save(fig, prefix + "_curves.png", title)
     figures = [prefix + "_passk.png", prefix + "_curves.png"]
 
     critics = [m for m in CRITIC_METHODS if m in runs]
@@ -95,10 +98,7 @@ def plot(args, runs, base):
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:  # a panel whose metric no run logs stays empty
                 ax.legend(fontsize=8)
-        fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
-        fig.savefig(prefix + "_critic.png", dpi=120)
-        plt.close(fig)
+        save(fig, prefix + "_critic.png", title)
         figures.append(prefix + "_critic.png")
     return figures
 
@@ -135,11 +135,7 @@ def plot_axis(summary, path):
         ax.minorticks_off()
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("The axis: what the critic has to read; mean over seeds, 95% t-interval", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path, "The axis: what the critic has to read; mean over seeds, 95% t-interval")
 
 
 
@@ -185,8 +181,5 @@ def plot_beta(summary, path):
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[2].legend(fontsize=7)
-    fig.suptitle("The critic's strength: PACS at each beta, 16 seeds; mean over seeds, 95% t-interval", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    seeds = len({b["seed"] for b in summary["beta_axis"]})
+    return save(fig, path, f"The critic's strength: PACS at each beta, {seeds} seeds; mean over seeds, 95% t-interval")
