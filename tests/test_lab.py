@@ -239,16 +239,23 @@ def test_sft_loss_reads_only_the_solution_and_its_eos(splits):
         assert tok.decode(labels[i][labels[i] != -100]) == r["solution"] + tok.eos_token
 
 
-# ---- the shipped reference lab (docs/lab/base) -----------------------------------------------------------
-SHIPPED_JSON = os.path.join(lab.SHIPPED, "lab.json")
+# ---- the shipped labs (docs/lab/base, and any docs/<tag>/base) --------------------------------------------
+SHIPPED_LABS = sorted(os.path.join(ROOT, "docs", d, "base") for d in os.listdir(os.path.join(ROOT, "docs"))
+                      if os.path.isfile(os.path.join(ROOT, "docs", d, "base", "lab.json")))
 
 
-def test_the_shipped_labs_splits_regenerate_from_its_seed(tmp_path):
+def test_the_first_lab_is_shipped():
+    assert lab.SHIPPED in SHIPPED_LABS
+
+
+@pytest.mark.parametrize("base", SHIPPED_LABS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_a_shipped_labs_splits_regenerate_from_its_seed(base, tmp_path):
     """Python's random is the same on every machine: lab.json's seed and sizes give the splits whose hash it records,
-    and ensure_splits writes them into a lab directory that has none (the shipped one commits none)."""
-    info = json.load(open(SHIPPED_JSON))
+    and ensure_splits writes them into a lab directory that has none (a shipped one commits none)."""
+    info = json.load(open(os.path.join(base, "lab.json")))
     cfg = info["settings"]
-    splits = lab.make_splits(cfg["seed"], {s: cfg[f"{s}_problems"] for s in lab.SPLITS}, cfg["max_operand"])
+    splits = lab.make_splits(cfg["seed"], {s: cfg[f"{s}_problems"] for s in lab.SPLITS}, cfg["max_operand"],
+                             cfg.get("ops", "2"), cfg.get("sft_ops", ""))
     assert lab.splits_sha(splits) == info["splits_sha256"]
     (tmp_path / "lab").mkdir()
     (tmp_path / "lab" / "lab.json").write_text(json.dumps(info))
@@ -262,33 +269,36 @@ def test_the_shipped_labs_splits_regenerate_from_its_seed(tmp_path):
     assert not (tmp_path / "bad" / "test.jsonl").exists()
 
 
-def test_the_shipped_weights_are_the_ones_lab_json_names():
+@pytest.mark.parametrize("base", SHIPPED_LABS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_a_shipped_labs_weights_are_the_ones_its_lab_json_names(base):
     from transformers import AutoModelForCausalLM
-    info = json.load(open(SHIPPED_JSON))
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(lab.SHIPPED, "model"))
+    info = json.load(open(os.path.join(base, "lab.json")))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(base, "model"))
     assert lab.weights_sha(model) == info["weights_sha256"]
-    assert sum(p.numel() for p in model.parameters()) == info["parameters"] == 332160
+    assert sum(p.numel() for p in model.parameters()) == info["parameters"]
     assert {"torch", "cpu", "threads", "python"} <= set(info["machine"])
 
 
-def _result_files():
-    root = os.path.join(ROOT, "docs", "lab", "results")
+def _result_files(base):
+    root = os.path.join(os.path.dirname(base), "results")
     return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f.endswith(".json"))
 
 
-def test_every_committed_result_trained_from_the_shipped_base():
-    """docs/lab/results/** holds only runs from the shipped weights, each with the machine it ran on; runs from
-    another base live in an archive of their own (docs/lab/archive-<sha>/), each with that sha."""
-    sha = json.load(open(SHIPPED_JSON))["weights_sha256"]
-    files = _result_files()
+@pytest.mark.parametrize("base", SHIPPED_LABS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_every_committed_result_trained_from_its_shipped_base(base):
+    """docs/<tag>/results/** holds only runs from docs/<tag>/base's weights, each with the machine it ran on; runs
+    from another base live in an archive of their own (docs/<tag>/archive-<sha>/), each with that sha."""
+    sha = json.load(open(os.path.join(base, "lab.json")))["weights_sha256"]
+    files = _result_files(base)
     if not files:
-        pytest.skip("no result file from the shipped base committed yet")
+        pytest.skip(f"no result file from {os.path.relpath(base, ROOT)} committed yet")
     for path in files:
         r = json.load(open(path))
         assert r["settings"]["lab_weights_sha256"] == sha, f"{os.path.relpath(path, ROOT)} trained from another base"
         assert {"torch", "cpu"} <= set(r["machine"]), path
-    for archive in (d for d in os.listdir(os.path.join(ROOT, "docs", "lab")) if d.startswith("archive-")):
+    docs = os.path.dirname(base)
+    for archive in (d for d in os.listdir(docs) if d.startswith("archive-")):
         prefix = archive.split("-", 1)[1]
-        for d, _, names in os.walk(os.path.join(ROOT, "docs", "lab", archive)):
+        for d, _, names in os.walk(os.path.join(docs, archive)):
             for f in (n for n in names if n.endswith(".json") and re.fullmatch(r".+-s\d+\.json", n)):
                 assert json.load(open(os.path.join(d, f)))["settings"]["lab_weights_sha256"].startswith(prefix)
