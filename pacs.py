@@ -781,6 +781,39 @@ def _autocast(cfg, device):
     return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
+def pacs_advantage(psi, rewards, group_size, balance=True, implicit_critic=True):
+    """A (B,): the advantage of PACS's policy gradient, the derivation above pacs_score written out:
+    -dL/dlogprobs[k,t] = beta G/(B(G-1)) A_k mask[k,t] with A_k = y_k - mean_group(y), y_k = w_k (R_k - sigma(psi_k));
+    implicit_critic=False puts 1/2 in place of sigma(psi) (the ablation). psi, rewards: (B,)."""
+    R = rewards.view(-1, group_size).to(psi.dtype)  # (B/G, G)
+    w = class_balance_weights(R.reshape(-1), group_size).view_as(R) if balance else torch.ones_like(R)
+    y = w * (R - (torch.sigmoid(psi.view_as(R)) if implicit_critic else 0.5))
+    return (y - y.mean(-1, keepdim=True)).reshape(-1)  # (B,)
+
+
+def rollout_updates(cfg, model, optimizer, roll, rewards, device):
+    """Phases 3 and 4 of train_step on a rollout sampled outside it, to watch the critic (docs/pacs.ipynb): pi_old's
+    log-probs, then one optimizer step per mini-batch of whole groups, as train_step runs them (PACS). Returns
+    [(psi (B/M,), loss)], one per mini-batch, psi scored at the weights that mini-batch trains from: 0 on
+    mini-batch 0, where pi_theta == pi_old; on the later ones, what the earlier updates taught the critic."""
+    B, M, mb = len(rewards), cfg.num_mini_batches, cfg.micro_batch_size
+    rows_per_mini = B // M
+    mask = roll["response_mask"].float()  # (B, T)
+    old_logprobs = torch.zeros_like(mask)  # (B, T); mini-batch 0 fills its own rows, at pi_old
+    with torch.no_grad(), _autocast(cfg, device):
+        for sl in _micro_slices(slice(rows_per_mini, B), mb):
+            old_logprobs[sl] = _logprobs(cfg, model, roll, sl)[0]
+    model.train()
+    out = []
+    for m in range(M):
+        mini = slice(m * rows_per_mini, (m + 1) * rows_per_mini)
+        (loss, psi, _), _, _ = optimizer_step(cfg, model, optimizer, f"mini-batch {m}", lambda: accumulate_mini_batch(
+            cfg, model, roll, old_logprobs, mask, rewards, mini, m == 0, device, None, mb))
+        out.append((psi, float(loss)))
+    model.eval()
+    return out
+
+
 # sigma(psi) bin edges of the critic's reliability counts: psi is centred per group and small (|sigma - 1/2| ~ 0.03
 # at beta = 1 in the lab), so the bins are fine near 1/2 and coarse in the tails; symmetric about 1/2
 CALIBRATION_EDGES = (0.0, 0.3, 0.4, 0.45, 0.47, 0.48, 0.49, 0.5, 0.51, 0.52, 0.53, 0.55, 0.6, 0.7, 1.0)

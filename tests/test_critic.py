@@ -233,3 +233,62 @@ def test_a_pacs_run_logs_the_critic_metrics_on_the_later_mini_batches(tmp_path, 
 def test_no_implicit_critic_is_a_pacs_flag():
     with pytest.raises(pacs.ConfigError, match="--no-implicit-critic"):
         pacs.check_config(pacs.parse_args(["--algo", "grpo", "--no-implicit-critic"]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. For the reader (docs/pacs.ipynb): the derivation's advantage, and the critic on one rollout's mini-batches
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("critic", [True, False])
+@pytest.mark.parametrize("beta", [0.5, 2.0])
+@pytest.mark.parametrize("balance", [True, False])
+@pytest.mark.parametrize("seed", range(3))
+def test_pacs_advantage_is_the_loss_gradient_of_the_derivation(seed, balance, beta, critic):
+    """-dL/dlogprobs[k,t] = beta G/(B(G-1)) A_k mask[k,t] for the loss with and without its critic, and A, A0 are
+    the advantages whose distance critic_change measures."""
+    G = 4
+    lp, old, mask, rewards = random_batch(seed, torch.float64)
+    B = len(rewards)
+    _, grad = loss_and_grad(lp, old, mask, rewards, G, beta=beta, balance=balance, implicit_critic=critic)
+    psi = pacs.pacs_score(lp, old, mask, G, beta)
+    A = pacs.pacs_advantage(psi, rewards, G, balance, implicit_critic=critic)
+    assert A.shape == (B,) and A.dtype == torch.float64
+    torch.testing.assert_close(-grad, beta * G / (B * (G - 1)) * A[:, None] * mask, atol=1e-13, rtol=0)
+    assert A.abs().max() > 1e-2  # a real gradient was compared
+    A_on, A_off = pacs.pacs_advantage(psi, rewards, G, balance), pacs.pacs_advantage(psi, rewards, G, balance, False)
+    diff2, base2 = pacs.critic_change(psi, rewards, G, balance)
+    torch.testing.assert_close(((A_on - A_off) ** 2).sum(), diff2)
+    torch.testing.assert_close((A_off ** 2).sum(), base2)
+
+
+def test_rollout_updates_are_train_steps_phases_3_and_4(tmp_path, monkeypatch):
+    """rollout_updates on the rollout train_step samples (the same prompts, the same seed) gives the psi and losses
+    train_step logs and leaves the same weights, bit for bit; psi is 0 on mini-batch 0 only."""
+    model_dir = make_tiny_model_dir(tmp_path / "m", chars="0123456789 +?=")
+    monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers: torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0] * 4))
+    problems = [{"problem": f"{i} + 1 =", "answer": str(i + 1)} for i in range(8)]
+    cfg = pacs.Config(group_size=4, prompts_per_step=8, num_mini_batches=4, max_new_tokens=5, micro_batch_size=8,
+                      lr=1e-2, seed=3)
+    device = torch.device("cpu")
+
+    model, tok = pacs.load_model(model_dir)
+    torch.manual_seed(0)
+    metrics, _ = pacs.train_step(cfg, model, tok, pacs.make_optimizer(cfg, model), problems, 1, device)
+
+    again, tok = pacs.load_model(model_dir)
+    batch = [problems[i] for i in pacs.batch_indices(1, len(problems), cfg.prompts_per_step, cfg.seed)]
+    torch.manual_seed(0)
+    roll = pacs.sample(again, tok, [pacs.build_prompt(tok, p["problem"]) for p in batch], cfg.group_size,
+                       cfg.max_new_tokens, batch_prompts=cfg.gen_batch_prompts)
+    rewards = pacs.reward_fn(None, None)
+    updates = pacs.rollout_updates(cfg, again, pacs.make_optimizer(cfg, again), roll, rewards, device)
+
+    assert len(updates) == cfg.num_mini_batches and all(psi.shape == (8,) for psi, _ in updates)
+    psi = torch.cat([p for p, _ in updates])
+    assert torch.equal(updates[0][0], torch.zeros(8)) and updates[0][1] == pytest.approx(math.log(2))
+    assert all(p.abs().max() > 0 for p, _ in updates[1:])  # the critic reads the earlier updates
+    assert (psi.mean().item(), psi.std().item()) == (metrics["psi_mean"], metrics["psi_std"])
+    assert sum(loss for _, loss in updates) / len(updates) == pytest.approx(metrics["loss"], abs=1e-7)
+    won, pairs = pacs.group_auc(psi[8:], rewards[8:], cfg.group_size)
+    assert (won / pairs).item() == metrics["critic_auc"]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert not again.training
