@@ -49,7 +49,8 @@ def lab_summary(runs_root, prompts=32, last=10):
         rows = [dict(zip(r["metrics"], vals)) for vals in zip(*r["metrics"].values())]
         passk = next(iter(r["eval"].values()))
         auc = pooled_auc(rows)
-        return {"method": r["method"], "seed": r["seed"], "pass@1": passk["1"], "pass@64": passk.get("64"),
+        large_k = {f"pass@{k}": passk[str(k)] for k in (16, 256)} if "256" in passk else {}  # the second lab's k
+        return {"method": r["method"], "seed": r["seed"], "pass@1": passk["1"], "pass@64": passk.get("64"), **large_k,
                 "final_reward": final_mean(rows, "reward", last), "final_entropy": final_mean(rows, "entropy", last),
                 "critic_auc": None if math.isnan(auc) else auc, "boxed_expressions": r["boxed_expressions"]}
 
@@ -66,7 +67,8 @@ def lab_summary(runs_root, prompts=32, last=10):
         "method", "seed", "critic_auc", "pass@1")}} for p in sorted(groups) for r, e in zip(groups[p], entries[p])
         if r["method"] in AXIS_METHODS]
     swept = prompts // first["num_mini_batches"]  # the sweep's prompts per mini-batch: its claims, both metrics
-    paired = [paired_entry(runs, a, b, metric, swept) for a, b in CLAIMS for metric in ("pass@1", "pass@64")]
+    metrics = ("pass@1", "pass@64", "pass@16", "pass@256")  # a metric no run has pairs no seed, and is left out
+    paired = [paired_entry(runs, a, b, metric, swept) for a, b in CLAIMS for metric in metrics]
     paired += [paired_entry([e for e in axis if e["prompts_per_mini_batch"] == ppm], "pacs", "pacs-critic-off",
                             "pass@1", ppm) for ppm in sorted({e["prompts_per_mini_batch"] for e in axis} - {swept})]
     beta_axis = [{"beta": flag_value(r["settings"]["pacs_flags"], "--beta"), **{k: e[k] for k in (
@@ -74,7 +76,7 @@ def lab_summary(runs_root, prompts=32, last=10):
         if r["method"] in BETA_METHODS]
     beta_axis.sort(key=lambda b: (b["beta"], b["seed"]))
     paired += [paired_entry(runs, m, "pacs-critic-off", metric, swept) for m in BETA_METHODS if m != "pacs"
-               for metric in ("pass@1", "pass@64")]  # PACS(beta) - critic-off: what a stronger critic adds
+               for metric in metrics]  # PACS(beta) - critic-off: what a stronger critic adds
     calibration = {}
     for r in main_runs:
         calibration[r["method"]] = add_counts(calibration.get(r["method"]), r.get("calibration"))

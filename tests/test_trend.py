@@ -454,7 +454,7 @@ def check_summary_schema(summary):
     assert all(isinstance(v, float) and v > 0 for v in settings["lr"].values())
     assert all(isinstance(s, int) for seeds in settings["seeds"].values() for s in seeds)
     for r in summary["runs"]:
-        assert set(r) == SUMMARY_RUN_KEYS and isinstance(r["seed"], int)
+        assert set(r) in (SUMMARY_RUN_KEYS, SUMMARY_RUN_KEYS | {"pass@16", "pass@256"}) and isinstance(r["seed"], int)
         for key in ("pass@1", "final_reward", "boxed_expressions"):
             assert 0 <= r[key] <= 1, (key, r)
         assert r["pass@64"] is None or r["pass@1"] <= r["pass@64"] <= 1
@@ -466,7 +466,7 @@ def check_summary_schema(summary):
     for p in summary["paired"]:
         assert set(p) == {"prompts_per_mini_batch", "a", "b", "metric", "seeds", "mean", "ci95_t", "ci95_bootstrap",
                           "detectable_80"}
-        assert p["seeds"] >= 1 and p["metric"] in ("pass@1", "pass@64") and len(p["ci95_t"]) == 2
+        assert p["seeds"] >= 1 and p["metric"] in ("pass@1", "pass@16", "pass@64", "pass@256") and len(p["ci95_t"]) == 2
         assert p["seeds"] == 1 or p["ci95_t"][0] <= p["mean"] <= p["ci95_t"][1]
     assert isinstance(summary["wall_s"], float) and summary["wall_s"] >= 0
     for b in summary.get("beta_axis", []):
@@ -533,6 +533,20 @@ def test_lab_summary_beta_axis_calibration_and_figure(tmp_path, monkeypatch):
     result = json.load(open(runs / "test-p8" / "pacs-s0.json"))
     assert result["calibration"]["n"][7] == 16 and result["calibration"]["edges"] == list(pacs_edges())
     assert {"torch", "cpu", "threads", "python"} <= set(result["machine"])
+
+
+def test_lab_summary_at_256_samples_pairs_k_1_16_64_256(tmp_path, monkeypatch):
+    """The second lab evaluates 256 samples a problem: its runs carry pass@16 and pass@256 too, and each claim is
+    paired at k = 1, 16, 64 and 256 (the first lab's, at 64 samples, stays pass@1 and pass@64)."""
+    monkeypatch.setattr(sweep, "run_command", FakeRunner())
+    runs = tmp_path / "runs"
+    trend.main(["--out", str(tmp_path / "out"), "--methods", "pacs", "grpo", "--seeds", "0", "1", "2", "--steps", "4",
+                "--eval-n", "256", "--last", "2", "--prompts", "8", "--results", str(runs / "test-p8")])
+    summary = lab_summary.lab_summary(str(runs), prompts=8, last=2)
+    check_summary_schema(summary)
+    pacs0 = next(r for r in summary["runs"] if (r["method"], r["seed"]) == ("pacs", 0))
+    assert (pacs0["pass@16"], pacs0["pass@256"]) == (pytest.approx(0.8), 1.0)  # the fake: 0.5 + 0.02 (k - 1), capped
+    assert [p["metric"] for p in summary["paired"]] == ["pass@1", "pass@64", "pass@16", "pass@256"]
 
 
 def pacs_edges():
