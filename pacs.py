@@ -377,10 +377,7 @@ def critic_change(psi, rewards, group_size, balance=True):
     """(|A - A0|^2, |A0|^2): how much the implicit critic rewrote the advantage. A_k = y_k - mean_group(y) with
     y_k = w_k (R_k - sigma(psi_k)) is PACS's (the derivation above); A0 the same with sigma(psi) = 1/2, the
     advantage with the critic off. Their ratio's square root is the share of the update the critic rewrote."""
-    R = rewards.view(-1, group_size).to(psi.dtype)  # (B/G, G)
-    w = class_balance_weights(R.reshape(-1), group_size).view_as(R) if balance else torch.ones_like(R)
-    y, y0 = w * (R - torch.sigmoid(psi.view_as(R))), w * (R - 0.5)
-    A, A0 = y - y.mean(-1, keepdim=True), y0 - y0.mean(-1, keepdim=True)
+    A, A0 = (pacs_advantage(psi, rewards, group_size, balance, implicit_critic=on) for on in (True, False))  # (B,)
     return ((A - A0) ** 2).sum(), (A0 ** 2).sum()
 
 
