@@ -142,9 +142,10 @@ def ensure_splits(lab_dir):
     cfg = info["settings"]
     splits = make_splits(cfg["seed"], {s: cfg[f"{s}_problems"] for s in SPLITS}, cfg["max_operand"],
                          cfg.get("ops", "2"), cfg.get("sft_ops", ""))
-    if splits_sha(splits) != info.get("splits_sha256"):
+    got = splits_sha(splits)
+    if got != info["splits_sha256"]:
         raise LabError(f"the splits regenerated from seed {cfg['seed']} do not match {lab_dir}/lab.json's "
-                       f"splits_sha256 ({splits_sha(splits)[:12]} against {str(info.get('splits_sha256'))[:12]})")
+                       f"splits_sha256 ({got[:12]} against {info['splits_sha256'][:12]})")
     write_splits(lab_dir, splits)
 
 

@@ -3,13 +3,18 @@
 A run's seed fixes its data order; two methods at one seed saw the same prompts in the same order, so methods
 are compared paired by seed. Per method: the mean over seeds and its t-interval. Per comparison: the paired
 differences, their t-interval (scipy.stats.ttest_rel's), their percentile bootstrap over seeds
-(scipy.stats.bootstrap, paired, seeded) and the smallest true difference the seeds could detect. Tested in
-tests/test_trend.py against closed forms and by simulation.
+(scipy.stats.bootstrap, paired, seeded: eval.py's bootstrap_ci) and the smallest true difference the seeds could
+detect. Tested in tests/test_trend.py against closed forms and by simulation.
 """
 import math
+import os
+import sys
 
 import numpy as np
 from scipy import stats
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from eval import bootstrap_ci  # noqa: E402  (scipy.stats.bootstrap, percentile, seeded: problems or seeds)
 
 
 def t_interval(values, level=0.95):
@@ -54,10 +59,9 @@ def bootstrap_interval(diffs, level=0.95, n_boot=10000, seed=0):
         return (math.nan, math.nan, math.nan)
     if len(d) < 2:
         return (float(d[0]), math.nan, math.nan)
-    # resampling the differences d = a - b is scipy's paired bootstrap of (a, b) with statistic mean(a - b)
-    ci = stats.bootstrap((d,), np.mean, n_resamples=n_boot, confidence_level=level, method="percentile",
-                         rng=np.random.default_rng(seed)).confidence_interval
-    return (float(d.mean()), float(ci.low), float(ci.high))
+    # resampling the differences d = a - b is scipy's paired bootstrap of (a, b) with statistic mean(a - b):
+    # eval.py's bootstrap_ci, the project's one call of scipy.stats.bootstrap (percentile, seeded)
+    return (float(d.mean()), *bootstrap_ci(d, level, n_boot, seed))
 
 
 def claim_sentence(a, b, metric, n, boot, t):

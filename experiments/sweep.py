@@ -51,7 +51,6 @@ class SweepError(Exception):
     """A user-facing problem with the flags or the --out dir: printed as one line."""
 
 
-
 def run_command(cmd):
     """Run one pacs.py / eval.py command in the repository root (tests replace this)."""
     print("+", " ".join(shlex.quote(c) for c in cmd), flush=True)
