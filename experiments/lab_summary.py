@@ -2,6 +2,7 @@
 learning-rate scan's table and choice (scan.json) and the summary of the sweep and its axes (summary.json, in a
 fixed schema tested in tests/test_trend.py).
 """
+import json
 import math
 import os
 
@@ -83,6 +84,21 @@ def lab_summary(runs_root, prompts=32, last=10):
     return {"settings": settings, "runs": runs, "axis": axis, "paired": [p for p in paired if p["seeds"]],
             "beta_axis": beta_axis, "calibration": {m: c for m, c in calibration.items() if c},
             "wall_s": round(sum(r["wall_s"] for rs in groups.values() for r in rs), 1)}
+
+
+def base_entry(lab_dir):
+    """summary.json's "base": the base model's test pass@k for k = 1..eval_n and eval_n, as lab.py measured them
+    (its lab.json; T = 1.0, the runs' eval protocol); None when the lab has no lab.json or it measured none."""
+    path = os.path.join(lab_dir, "lab.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        built = json.load(f)
+    passk = built.get("test_pass@k")
+    if not passk:
+        return None
+    return {"eval_n": int(built.get("settings", {}).get("eval_n", len(passk))),
+            "weights_sha256": built["weights_sha256"], "pass@k": {str(k): round(float(v), 5) for k, v in sorted(passk.items(), key=lambda kv: int(kv[0]))}}
 
 
 def flag_value(flags, name):

@@ -58,7 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import lab  # noqa: E402  (the shipped lab and its splits)
 from figures import plot, plot_axis, plot_beta  # noqa: E402
-from lab_summary import lab_scan, lab_summary  # noqa: E402
+from lab_summary import base_entry, lab_scan, lab_summary  # noqa: E402
 from summary import base_pass_at_k, collect, statistics, write_summary  # noqa: E402
 from sweep import (ALIASES, DEFAULT_METHODS, METHODS, SweepError, check_sweep_file, eval_command, eval_dir,  # noqa: E402
                    evaluate, resolve_methods, train_and_eval, train_command)
@@ -254,6 +254,9 @@ def main(argv=None):
         summarize(args)
         if args.summary_json:
             summary = lab_summary(os.path.dirname(args.results), args.prompts, args.last)
+            base = base_entry(args.lab) if args.lab else None
+            if base:  # the base model's pass@k beside the runs': what RL added, k by k
+                summary["base"] = base
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=1)
             print(f"summary: {args.summary_json} ({len(summary['runs'])} runs, {len(summary['axis'])} on the axis)")

@@ -444,7 +444,7 @@ def check_summary_schema(summary):
     """The schema of docs/lab/summary.json (and a few more settings): the keys and their types. The first sweep's
     (the archive's) predates beta_axis and calibration."""
     assert {"settings", "runs", "axis", "paired", "wall_s"} <= set(summary) <= {
-        "settings", "runs", "axis", "paired", "wall_s", "beta_axis", "calibration"}
+        "settings", "runs", "axis", "paired", "wall_s", "beta_axis", "calibration", "base"}
     settings = summary["settings"]
     for key in ("prompts", "group_size", "num_mini_batches", "steps", "max_new_tokens", "eval_n"):
         assert isinstance(settings[key], int) and settings[key] >= 1, key
@@ -473,6 +473,13 @@ def check_summary_schema(summary):
         assert set(b) == {"beta", "method", "seed", "pass@1", "pass@64", "critic_auc"}
         assert b["method"] in lab_summary.BETA_METHODS and isinstance(b["beta"], float) and b["beta"] > 0
         assert isinstance(b["seed"], int) and 0 <= b["pass@1"] <= 1
+    if "base" in summary:  # the base model's test pass@k for k = 1..eval_n, from its lab.json
+        base = summary["base"]
+        assert set(base) == {"eval_n", "weights_sha256", "pass@k"} and base["eval_n"] == settings["eval_n"]
+        assert base["weights_sha256"] == settings["lab_weights_sha256"]
+        curve = [base["pass@k"][str(k)] for k in range(1, base["eval_n"] + 1)]
+        assert len(base["pass@k"]) == base["eval_n"] and 0 <= curve[0] and curve[-1] <= 1
+        assert all(a <= b + 1e-9 for a, b in zip(curve, curve[1:]))  # pass@k never falls with k
     for method, c in summary.get("calibration", {}).items():
         assert set(c) == {"edges", "n", "sigma", "right"} and len(c["edges"]) == len(c["n"]) + 1
         assert all(0 <= r <= n for r, n in zip(c["right"], c["n"]))
@@ -547,6 +554,33 @@ def test_lab_summary_at_256_samples_pairs_k_1_16_64_256(tmp_path, monkeypatch):
     pacs0 = next(r for r in summary["runs"] if (r["method"], r["seed"]) == ("pacs", 0))
     assert (pacs0["pass@16"], pacs0["pass@256"]) == (pytest.approx(0.8), 1.0)  # the fake: 0.5 + 0.02 (k - 1), capped
     assert [p["metric"] for p in summary["paired"]] == ["pass@1", "pass@64", "pass@16", "pass@256"]
+
+
+@pytest.mark.parametrize("tag, eval_n", [("lab", 64), ("lab2", 256)])
+def test_summary_base_is_the_shipped_labs_measured_pass_at_k(tag, eval_n):
+    """summary.json's "base": the base model's pass@1..eval_n as lab.py measured it (lab.json), tied to the weights."""
+    lab_dir = os.path.join(sweep.ROOT, "docs", tag, "base")
+    base = lab_summary.base_entry(lab_dir)
+    built = json.load(open(os.path.join(lab_dir, "lab.json")))
+    assert base["eval_n"] == eval_n and len(base["pass@k"]) == eval_n
+    assert base["weights_sha256"] == built["weights_sha256"]
+    assert base["pass@k"]["1"] == pytest.approx(built["test_pass@k"]["1"], abs=1e-5)
+    assert base["pass@k"][str(eval_n)] == pytest.approx(built["test_pass@k"][str(eval_n)], abs=1e-5)
+    assert list(base["pass@k"]) == [str(k) for k in range(1, eval_n + 1)]  # in k's order, not the string's
+    assert lab_summary.base_entry(os.path.join(sweep.ROOT, "docs", tag)) is None  # no lab.json there
+
+
+def test_a_lab_sweeps_summary_json_carries_its_base_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "run_command", FakeRunner())
+    lab = _fake_lab(tmp_path / "lab")
+    passk = {"1": 0.3, "2": 0.4, "3": 0.45, "4": 0.5}
+    (tmp_path / "lab" / "lab.json").write_text(json.dumps(
+        {"weights_sha256": "ab" * 32, "settings": {"eval_n": 4}, "test_pass@k": passk}))
+    trend.main(_argv(tmp_path / "out", "--lab", lab, "--prompts", "8", "--results", str(tmp_path / "runs" / "test-p8"),
+                     "--summary-json", str(tmp_path / "summary.json")))
+    summary = json.load(open(tmp_path / "summary.json"))
+    check_summary_schema(summary)
+    assert summary["base"] == {"eval_n": 4, "weights_sha256": "ab" * 32, "pass@k": passk}
 
 
 def pacs_edges():
