@@ -139,47 +139,54 @@ def plot_axis(summary, path):
 
 
 
-def plot_beta(summary, path):
+def plot_beta(summary, path, best_beta=None):
     """The critic's strength: against beta, PACS's pooled critic AUC and PACS(beta) - critic-off in held-out pass@1
-    paired by seed (mean over seeds, 95% t-interval); and the reliability of sigma(psi) at each beta: per bin of
-    sigma(psi) on mini-batches 1..M-1 (pooled over steps and seeds), the observed success rate of its responses
-    against their mean sigma(psi), the marker's area by the bin's count and the count written beside it."""
+    paired by seed (mean over seeds, 95% t-interval); and the reliability of sigma(psi) at beta = 1 and at best_beta
+    (the validation scan's best; absent: the largest beta): per bin of sigma(psi) on mini-batches 1..M-1 (pooled
+    over steps and seeds), the observed success rate of its responses against their mean sigma(psi), the marker's
+    area by the bin's count and the count written beside it."""
     plt = pyplot()
     by = {}
     for b in summary["beta_axis"]:
         by.setdefault(b["beta"], {})[b["seed"]] = b
     off = {r["seed"]: r["pass@1"] for r in summary["runs"] if r["method"] == "pacs-critic-off"}
     betas = sorted(by)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.6))
+    axes = axes.ravel()
     aucs = [t_interval([r["critic_auc"] for r in by[b].values() if r["critic_auc"] is not None]) for b in betas]
     axes[0].errorbar(betas, [a[0] for a in aucs], yerr=error_bars(aucs), marker="o", capsize=3)
     axes[0].axhline(0.5, color="k", lw=0.8, ls="--")
-    axes[0].set(title="PACS's critic AUC on mini-batches 1..M-1 (pooled per run)", xlabel="beta")
+    axes[0].set(title="PACS's critic AUC on mini-batches 1..M-1\n(pooled per run; 0.5: no idea)", xlabel="beta")
     diffs = [t_interval(paired_differences({s: r["pass@1"] for s, r in by[b].items()}, off)[1]) for b in betas]
     axes[1].errorbar(betas, [d[0] for d in diffs], yerr=error_bars(diffs), marker="o", capsize=3, color="C2")
     axes[1].axhline(0.0, color="k", lw=0.8, ls="--")
-    axes[1].set(title="PACS(beta) - pacs-critic-off, held-out pass@1 (paired by seed)", xlabel="beta")
+    axes[1].set(title="PACS(beta) - pacs-critic-off, held-out pass@1\n(paired by seed)", xlabel="beta")
     for ax in axes[:2]:
         ax.set_xscale("log", base=2)
         ax.set_xticks(betas, [f"{b:g}" for b in betas])
         ax.minorticks_off()
-    ax = axes[2]
-    for i, method in enumerate(m for m in BETA_METHODS if m in summary["calibration"]):
-        c = summary["calibration"][method]
+    method_of = {b["beta"]: b["method"] for b in summary["beta_axis"]}
+    shown = [1.0, best_beta if best_beta in method_of and best_beta != 1.0 else max(method_of)]
+    for ax, beta in zip(axes[2:], shown):
+        c = summary["calibration"].get(method_of.get(beta))
+        if not c:
+            ax.set_axis_off()
+            continue
         n, right, sigma = (np.array(c[k], dtype=float) for k in ("n", "right", "sigma"))
         keep = n > 0
         x, y = sigma[keep] / n[keep], right[keep] / n[keep]
-        beta = next(b["beta"] for b in summary["beta_axis"] if b["method"] == method)
-        ax.plot(x, y, "-", color=f"C{i}", lw=0.8, alpha=0.6)
-        ax.scatter(x, y, s=8 + 80 * n[keep] / n.max(), color=f"C{i}", label=f"beta {beta:g} ({int(n.sum()):,} responses)")
+        color = f"C{betas.index(beta) if beta in betas else 0}"
+        ax.plot(x, y, "-", color=color, lw=0.8, alpha=0.6)
+        ax.scatter(x, y, s=8 + 120 * n[keep] / n.max(), color=color,
+                   label=f"{method_of[beta]}: {int(n.sum()):,} responses")
         for xi, yi, ni in zip(x, y, n[keep]):
-            ax.annotate(f"{int(ni)}", (xi, yi), fontsize=5, xytext=(2, 2), textcoords="offset points", color=f"C{i}")
-    lims = ax.get_xlim()
-    ax.plot(lims, lims, "k--", lw=0.8, label="calibrated (y = x)")
-    ax.set(title="reliability of sigma(psi): success rate per bin", xlabel="mean sigma(psi) in the bin",
-           ylabel="observed success rate")
+            ax.annotate(f"{int(ni):,}", (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.plot([0, 1], [0, 1], "k--", lw=0.8, label="calibrated (y = x)")
+        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="mean sigma(psi) in the bin", ylabel="observed success rate",
+               title=f"reliability of sigma(psi) at beta = {beta:g}" + (
+                   " (validation's best)" if beta == best_beta and beta != 1.0 else ""))
+        ax.legend(fontsize=7, loc="upper left")
     for ax in axes:
         ax.grid(alpha=0.3)
-    axes[2].legend(fontsize=7)
     seeds = len({b["seed"] for b in summary["beta_axis"]})
     return save(fig, path, f"The critic's strength: PACS at each beta, {seeds} seeds; mean over seeds, 95% t-interval")

@@ -58,7 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import lab  # noqa: E402  (the shipped lab and its splits)
 from figures import plot, plot_axis, plot_beta  # noqa: E402
-from lab_summary import base_entry, lab_scan, lab_summary  # noqa: E402
+from lab_summary import BETA_METHODS, base_entry, lab_scan, lab_summary  # noqa: E402
 from summary import base_pass_at_k, collect, statistics, write_summary  # noqa: E402
 from sweep import (ALIASES, DEFAULT_METHODS, METHODS, SweepError, check_sweep_file, eval_command, eval_dir,  # noqa: E402
                    evaluate, resolve_methods, train_and_eval, train_command)
@@ -222,6 +222,18 @@ def lab_defaults(first, argv):
             "out": os.path.join(ROOT, "experiments", f"out_{tag}", name), "results": results}
 
 
+def best_beta(args):
+    """The beta whose PACS run scored the highest mean validation pass@1 at its chosen lr in the lab's scan (the
+    result files in val-p<prompts>-lr*/); None without a scan of every beta. The validation split chooses."""
+    try:
+        scan = lab_scan(os.path.dirname(args.results), args.prompts)
+    except SweepError:
+        return None
+    scored = {float(METHODS[m][METHODS[m].index("--beta") + 1]) if "--beta" in METHODS[m] else 1.0:
+              float(np.mean(scan["pass@1"][m][str(scan["choice"][m])])) for m in BETA_METHODS if m in scan["pass@1"]}
+    return max(sorted(scored), key=scored.get) if len(scored) == len(BETA_METHODS) else None
+
+
 def main(argv=None):
     args = parse_args(argv)
     t0 = time.time()
@@ -264,7 +276,7 @@ def main(argv=None):
             if summary["axis"]:
                 print(f"figure: {plot_axis(summary, os.path.join(where, 'lab_axis.png'))}")
             if len({b["beta"] for b in summary["beta_axis"]}) > 1:
-                print(f"figure: {plot_beta(summary, os.path.join(where, 'lab_beta.png'))}")
+                print(f"figure: {plot_beta(summary, os.path.join(where, 'lab_beta.png'), best_beta(args))}")
     except SweepError as e:
         sys.exit(f"trend.py: error: {e}")
     except subprocess.CalledProcessError as e:

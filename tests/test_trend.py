@@ -8,6 +8,7 @@ import os
 import re
 import statistics as pystats
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -581,6 +582,24 @@ def test_a_lab_sweeps_summary_json_carries_its_base_model(tmp_path, monkeypatch)
     summary = json.load(open(tmp_path / "summary.json"))
     check_summary_schema(summary)
     assert summary["base"] == {"eval_n": 4, "weights_sha256": "ab" * 32, "pass@k": passk}
+
+
+def test_the_reliability_figures_best_beta_is_the_validation_scans(tmp_path):
+    """lab_beta.png pictures sigma(psi) at beta = 1 and at the beta the validation scan scores best (each beta at its
+    own chosen lr); without a scan of every beta there is no best."""
+    runs = tmp_path / "runs"
+    args = types.SimpleNamespace(results=str(runs / "test-p32"), prompts=32)
+    val = {"pacs": {1e-4: 0.60, 2e-4: 0.50}, "pacs-beta0.5": {1e-4: 0.58, 2e-4: 0.66},  # 0.5 best, at 2e-4
+           "pacs-beta2": {1e-4: 0.62, 2e-4: 0.40}, "pacs-beta4": {1e-4: 0.61, 2e-4: 0.30}}
+    for i, (method, by_lr) in enumerate(val.items()):
+        if i == 3:
+            assert trend.best_beta(args) is None  # beta 4 not scanned yet
+        for lr, v in by_lr.items():
+            (runs / f"val-p32-lr{lr:g}").mkdir(parents=True, exist_ok=True)
+            for seed, d in ((1000, -0.01), (1001, 0.01)):
+                (runs / f"val-p32-lr{lr:g}" / f"{method}-s{seed}.json").write_text(json.dumps(
+                    {"method": method, "seed": seed, "settings": {"lr": lr}, "eval": {"val": {"1": v + d}}}))
+    assert trend.best_beta(args) == 0.5
 
 
 def pacs_edges():
