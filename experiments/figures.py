@@ -78,7 +78,7 @@ def plot(args, runs, base):
     save(fig, prefix + "_curves.png", title)
     figures = [prefix + "_passk.png", prefix + "_curves.png"]
 
-    critics = [m for m in CRITIC_METHODS if m in runs]
+    critics = [m for m in CRITIC_METHODS[:3] if m in runs]
     if critics:  # the critics per step: what they know (AUC), how far PACS's moves off 1/2 and how much it rewrites
         panels = [("critic_auc", "critic AUC within groups (0.5: no idea)", (0, 1)),
                   ("critic_shift", "PACS: mean |sigma(psi) - 1/2|", (0, 0.5)),

@@ -37,7 +37,9 @@ DEFAULT_METHODS = ["pacs", "pacs-critic-off", "grpo", "ppo", "reinforce"]
 PASSK_FIGURE_METHODS = ["pacs", "grpo", "ppo"]  # the paper's pass@k figure: base model, PACS, GRPO, PPO
 # paired-by-seed differences the summary states: PACS against its critic switched off, and against each baseline
 CLAIMS = [("pacs", "pacs-critic-off"), ("pacs", "grpo"), ("pacs", "ppo"), ("pacs", "reinforce")]
-CRITIC_METHODS = ["pacs", "pacs-critic-off", "ppo"]  # runs whose metrics.jsonl scores a critic (critic_auc, ...)
+# runs whose metrics.jsonl scores a critic (critic_auc, ...): summary.md's critics table has each; lab_critic.png
+# the first three (PACS's critic at other betas: lab_beta.png)
+CRITIC_METHODS = ["pacs", "pacs-critic-off", "ppo", "pacs-beta0.5", "pacs-beta2", "pacs-beta4"]
 # settings that define a sweep's runs and evals: a rerun into the same --out must match them
 SWEEP_KEYS = ("model", "dataset", "data_dir", "prompts", "group_size", "num_mini_batches", "max_new_tokens",
               "lr", "method_lr", "critic_lr_ratio", "pacs_args", "eval_datasets", "eval_problems", "eval_n",
