@@ -76,8 +76,9 @@ def lab_summary(runs_root, prompts=32, last=10):
         "method", "seed", "pass@1", "pass@64", "critic_auc")}} for r, e in zip(groups[prompts], entries[prompts])
         if r["method"] in BETA_METHODS]
     beta_axis.sort(key=lambda b: (b["beta"], b["seed"]))
-    paired += [paired_entry(runs, m, "pacs-critic-off", metric, swept) for m in BETA_METHODS if m != "pacs"
-               for metric in metrics]  # PACS(beta) - critic-off: what a stronger critic adds
+    paired += [paired_entry(runs, m, b, metric, swept) for m in BETA_METHODS if m != "pacs"
+               for b in ("pacs-critic-off", "grpo", "ppo") for metric in metrics]  # PACS(beta) - critic-off: what a
+    # stronger critic adds; - GRPO and - PPO: the paper's claims at each beta (the validation scan's best among them)
     calibration = {}
     for r in main_runs:
         calibration[r["method"]] = add_counts(calibration.get(r["method"]), r.get("calibration"))

@@ -524,10 +524,13 @@ def test_lab_summary_beta_axis_calibration_and_figure(tmp_path, monkeypatch):
     - critic-off paired, the reliability counts summed over steps and seeds, and lab_beta.png."""
     monkeypatch.setattr(sweep, "run_command", FakeRunner())
     runs = tmp_path / "runs"
-    trend.main(_argv(tmp_path / "out", "--methods", "pacs", "pacs-critic-off", "pacs-beta2", "--prompts", "8",
+    trend.main(_argv(tmp_path / "out", "--methods", "pacs", "pacs-critic-off", "pacs-beta2", "grpo", "--prompts", "8",
                      "--results", str(runs / "test-p8"), "--summary-json", str(tmp_path / "summary.json")))
     summary = json.load(open(tmp_path / "summary.json"))
     check_summary_schema(summary)
+    assert {(p["a"], p["b"], p["seeds"]) for p in summary["paired"] if p["metric"] == "pass@1"} == {
+        ("pacs", "pacs-critic-off", 3), ("pacs", "grpo", 3), ("pacs-beta2", "pacs-critic-off", 3),
+        ("pacs-beta2", "grpo", 3)}  # each beta against the ablation and the baselines run (no ppo here)
     assert [(b["beta"], b["method"], b["seed"]) for b in summary["beta_axis"]] == [
         (1.0, "pacs", 0), (1.0, "pacs", 1), (1.0, "pacs", 2), (2.0, "pacs-beta2", 0), (2.0, "pacs-beta2", 1),
         (2.0, "pacs-beta2", 2)]
@@ -536,7 +539,7 @@ def test_lab_summary_beta_axis_calibration_and_figure(tmp_path, monkeypatch):
     # 4 steps x 3 seeds x 4 responses in bin 7, 3 of them right each step
     c = summary["calibration"]["pacs-beta2"]
     assert c["n"][7] == 48 and c["right"][7] == 36 and c["sigma"][7] == pytest.approx(24.24) and sum(c["n"]) == 48
-    assert set(summary["calibration"]) == {"pacs", "pacs-critic-off", "pacs-beta2"}
+    assert set(summary["calibration"]) == {"pacs", "pacs-critic-off", "pacs-beta2"}  # grpo has no critic
     assert os.path.getsize(tmp_path / "lab_beta.png") > 0
     result = json.load(open(runs / "test-p8" / "pacs-s0.json"))
     assert result["calibration"]["n"][7] == 16 and result["calibration"]["edges"] == list(pacs_edges())
