@@ -168,25 +168,42 @@ def plot_beta(summary, path, best_beta=None):
     method_of = {b["beta"]: b["method"] for b in summary["beta_axis"]}
     shown = [1.0, best_beta if best_beta in method_of and best_beta != 1.0 else max(method_of)]
     for ax, beta in zip(axes[2:], shown):
-        c = summary["calibration"].get(method_of.get(beta))
-        if not c:
-            ax.set_axis_off()
-            continue
-        n, right, sigma = (np.array(c[k], dtype=float) for k in ("n", "right", "sigma"))
-        keep = n > 0
-        x, y = sigma[keep] / n[keep], right[keep] / n[keep]
-        color = f"C{betas.index(beta) if beta in betas else 0}"
-        ax.plot(x, y, "-", color=color, lw=0.8, alpha=0.6)
-        ax.scatter(x, y, s=8 + 120 * n[keep] / n.max(), color=color,
-                   label=f"{method_of[beta]}: {int(n.sum()):,} responses")
-        for xi, yi, ni in zip(x, y, n[keep]):
-            ax.annotate(f"{int(ni):,}", (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        ax.plot([0, 1], [0, 1], "k--", lw=0.8, label="calibrated (y = x)")
-        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="mean sigma(psi) in the bin", ylabel="observed success rate",
-               title=f"reliability of sigma(psi) at beta = {beta:g}" + (
-                   " (validation's best)" if beta == best_beta and beta != 1.0 else ""))
-        ax.legend(fontsize=7, loc="upper left")
+        title = f"reliability of sigma(psi) at beta = {beta:g}" + (
+            " (validation's best)" if beta == best_beta and beta != 1.0 else "")
+        reliability(ax, summary["calibration"].get(method_of.get(beta)), method_of.get(beta), title,
+                    f"C{betas.index(beta) if beta in betas else 0}")
     for ax in axes:
         ax.grid(alpha=0.3)
     seeds = len({b["seed"] for b in summary["beta_axis"]})
     return save(fig, path, f"The critic's strength: PACS at each beta, {seeds} seeds; mean over seeds, 95% t-interval")
+
+
+def reliability(ax, counts, label, title, color):
+    """One reliability diagram on ax: per bin of sigma(psi) (sweep.pooled_calibration's counts), the observed
+    success rate against the bin's mean sigma(psi), the marker's area by the bin's count, the count beside it."""
+    if not counts:
+        ax.set_axis_off()
+        return
+    n, right, sigma = (np.array(counts[k], dtype=float) for k in ("n", "right", "sigma"))
+    keep = n > 0
+    x, y = sigma[keep] / n[keep], right[keep] / n[keep]
+    ax.plot(x, y, "-", color=color, lw=0.8, alpha=0.6)
+    ax.scatter(x, y, s=8 + 120 * n[keep] / n.max(), color=color, label=f"{label}: {int(n.sum()):,} responses")
+    for xi, yi, ni in zip(x, y, n[keep]):
+        ax.annotate(f"{int(ni):,}", (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.plot([0, 1], [0, 1], "k--", lw=0.8, label="calibrated (y = x)")
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="mean sigma(psi) in the bin", ylabel="observed success rate", title=title)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
+
+
+def plot_reliability(summary, path):
+    """A sweep at one beta: sigma(psi)'s reliability in PACS's runs and in its critic-off ablation's (psi computed,
+    not used), pooled over steps and seeds."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+    for i, (ax, method) in enumerate(zip(axes, AXIS_METHODS)):
+        reliability(ax, summary["calibration"].get(method), method, f"reliability of sigma(psi): {method}", f"C{i}")
+    seeds = len({r["seed"] for r in summary["runs"]})
+    return save(fig, path, f"What sigma(psi) knows: mini-batches 1..M-1, {seeds} seeds pooled")
+

@@ -57,7 +57,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import lab  # noqa: E402  (the shipped lab and its splits)
-from figures import plot, plot_axis, plot_beta  # noqa: E402
+from figures import plot, plot_axis, plot_beta, plot_reliability  # noqa: E402
 from lab_summary import BETA_METHODS, base_entry, lab_scan, lab_summary  # noqa: E402
 from summary import base_pass_at_k, collect, statistics, write_summary  # noqa: E402
 from sweep import (ALIASES, DEFAULT_METHODS, METHODS, SweepError, check_sweep_file, eval_command, eval_dir,  # noqa: E402
@@ -277,6 +277,8 @@ def main(argv=None):
                 print(f"figure: {plot_axis(summary, os.path.join(where, 'lab_axis.png'))}")
             if len({b["beta"] for b in summary["beta_axis"]}) > 1:
                 print(f"figure: {plot_beta(summary, os.path.join(where, 'lab_beta.png'), best_beta(args))}")
+            elif "pacs" in summary["calibration"]:  # one beta: the reliability of pacs's and critic-off's psi
+                print(f"figure: {plot_reliability(summary, os.path.join(where, 'lab_reliability.png'))}")
     except SweepError as e:
         sys.exit(f"trend.py: error: {e}")
     except subprocess.CalledProcessError as e:

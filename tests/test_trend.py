@@ -515,6 +515,8 @@ def test_lab_summary_follows_the_schema(tmp_path, monkeypatch):
                      "--results", str(runs / "test-p8"), "--summary-json", str(tmp_path / "summary.json")))
     assert json.load(open(tmp_path / "summary.json")) == json.loads(json.dumps(summary))
     assert os.path.getsize(tmp_path / "lab_axis.png") > 0
+    assert os.path.getsize(tmp_path / "lab_reliability.png") > 0  # one beta: pacs's and critic-off's sigma(psi)
+    assert not os.path.exists(tmp_path / "lab_beta.png")
     with pytest.raises(sweep.SweepError, match="no result file for --prompts 32"):
         lab_summary.lab_summary(str(runs), prompts=32)
 
