@@ -122,13 +122,13 @@ def plot_axis(summary, path):
                  for x in xs]
         axes[0].errorbar(xs, [s[0] for s in stats], yerr=error_bars(stats), marker="o", capsize=3, label=method)
     axes[0].axhline(0.5, color="k", lw=0.8, ls="--")
-    axes[0].set(title="critic AUC on mini-batches 1..M-1 (pooled per run)", xlabel="prompts per mini-batch")
+    axes[0].set(title="critic AUC on mini-batches 1..M-1\n(pooled per run)", xlabel="prompts per mini-batch")
     diffs = [t_interval(paired_differences({s: r["pass@1"] for s, r in by[x].get("pacs", {}).items()},
                                            {s: r["pass@1"] for s, r in by[x].get("pacs-critic-off", {}).items()})[1])
              for x in xs]
     axes[1].errorbar(xs, [d[0] for d in diffs], yerr=error_bars(diffs), marker="o", capsize=3, color="C2")
     axes[1].axhline(0.0, color="k", lw=0.8, ls="--")
-    axes[1].set(title="pacs - pacs-critic-off, held-out pass@1 (paired by seed)", xlabel="prompts per mini-batch")
+    axes[1].set(title="pacs - pacs-critic-off, held-out pass@1\n(paired by seed)", xlabel="prompts per mini-batch")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
