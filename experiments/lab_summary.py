@@ -99,7 +99,8 @@ def base_entry(lab_dir):
     if not passk:
         return None
     return {"eval_n": int(built.get("settings", {}).get("eval_n", len(passk))),
-            "weights_sha256": built["weights_sha256"], "pass@k": {str(k): round(float(v), 5) for k, v in sorted(passk.items(), key=lambda kv: int(kv[0]))}}
+            "weights_sha256": built["weights_sha256"],
+            "pass@k": {str(k): round(float(v), 5) for k, v in sorted(passk.items(), key=lambda kv: int(kv[0]))}}
 
 
 def flag_value(flags, name):

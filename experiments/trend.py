@@ -58,7 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import lab  # noqa: E402  (the shipped lab and its splits)
 from figures import plot, plot_axis, plot_beta, plot_reliability  # noqa: E402
-from lab_summary import BETA_METHODS, base_entry, lab_scan, lab_summary  # noqa: E402
+from lab_summary import BETA_METHODS, base_entry, flag_value, lab_scan, lab_summary  # noqa: E402
 from summary import base_pass_at_k, collect, statistics, write_summary  # noqa: E402
 from sweep import (ALIASES, DEFAULT_METHODS, METHODS, SweepError, check_sweep_file, eval_command, eval_dir,  # noqa: E402
                    evaluate, resolve_methods, train_and_eval, train_command)
@@ -229,8 +229,8 @@ def best_beta(args):
         scan = lab_scan(os.path.dirname(args.results), args.prompts)
     except SweepError:
         return None
-    scored = {float(METHODS[m][METHODS[m].index("--beta") + 1]) if "--beta" in METHODS[m] else 1.0:
-              float(np.mean(scan["pass@1"][m][str(scan["choice"][m])])) for m in BETA_METHODS if m in scan["pass@1"]}
+    scored = {flag_value(METHODS[m], "--beta"): float(np.mean(scan["pass@1"][m][str(scan["choice"][m])]))
+              for m in BETA_METHODS if m in scan["pass@1"]}
     return max(sorted(scored), key=scored.get) if len(scored) == len(BETA_METHODS) else None
 
 
