@@ -2,6 +2,7 @@
 curves.py): the statistics (t-interval, paired bootstrap, claim sentences), the resumable sweep
 (the pacs.py / eval.py runner replaced by a fake that writes their files), CLI errors, and one in-process
 end-to-end sweep on the tiny model that checks pacs.py and eval.py accept every flag the sweep passes."""
+import glob
 import json
 import math
 import os
@@ -640,11 +641,18 @@ LAB_DOCS = os.path.join(sweep.ROOT, "docs", "lab")
 ARCHIVE = os.path.join(LAB_DOCS, "archive-7e4899b1")  # the first sweep's files, from a base that was not committed
 
 
-def test_the_committed_lab_summary_follows_the_schema():
-    path = os.path.join(LAB_DOCS, "summary.json")
-    if not os.path.isfile(path):
-        pytest.skip("docs/lab/summary.json is not written yet (the sweep on the shipped base writes it)")
-    check_summary_schema(json.load(open(path)))
+def test_every_committed_lab_summary_follows_the_schema_and_names_its_shipped_base():
+    """docs/<lab>/summary.json, for every lab that ships a base (the first lab's at least): the schema, and the
+    weights it summarises are the ones that lab ships (lab.json's sha256), its base pass@k the one lab.json measured."""
+    labs = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(sweep.ROOT, "docs", "*", "summary.json"))
+                  if os.path.isfile(os.path.join(os.path.dirname(p), "base", "lab.json")))
+    assert LAB_DOCS in labs, "docs/lab/summary.json is missing"
+    for lab in labs:
+        summary = json.load(open(os.path.join(lab, "summary.json")))
+        check_summary_schema(summary)
+        shipped = json.load(open(os.path.join(lab, "base", "lab.json")))
+        assert summary["settings"]["lab_weights_sha256"] == shipped["weights_sha256"], lab
+        assert _close(summary["base"]["pass@k"], shipped["test_pass@k"]) == [], lab
 
 
 def _close(a, b, path="", tol=1e-4):
