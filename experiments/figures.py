@@ -207,3 +207,33 @@ def plot_reliability(summary, path):
     seeds = len({r["seed"] for r in summary["runs"]})
     return save(fig, path, f"What sigma(psi) knows: mini-batches 1..M-1, {seeds} seeds pooled")
 
+
+
+def plot_rare(summary, path):
+    """pass@k at k in summary["rare"]'s metrics on the test problems the base model rarely solved: the base model
+    (dashed) and each method's mean over seeds with its 95% t-interval."""
+    plt = pyplot()
+    rare = summary["rare"]
+    ks = [int(m.split("@")[1]) for m in rare["base_selection"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    if rare["base"]:  # the base model on samples other than those that chose the set
+        ax.plot(ks, [rare["base"][f"pass@{k}"] for k in ks], "k--", marker="o", label="base model, fresh samples")
+    ax.plot(ks, [rare["base_selection"][f"pass@{k}"] for k in ks], ":", color="0.5", marker="o",
+            label="base model, the samples that chose the set (low by construction)")
+    methods = [m for m in PASSK_FIGURE_METHODS if any(r["method"] == m for r in rare["runs"])] + sorted(
+        {r["method"] for r in rare["runs"]} - set(PASSK_FIGURE_METHODS))
+    for i, method in enumerate(methods):
+        stats = [t_interval([r[f"pass@{k}"] for r in rare["runs"] if r["method"] == method]) for k in ks]
+        seeds = sum(r["method"] == method for r in rare["runs"])
+        x = [k * 1.06 ** (i - (len(methods) - 1) / 2) for k in ks]  # side by side, not on top of each other
+        ax.errorbar(x, [s[0] for s in stats], yerr=error_bars(stats), marker="o", ms=4, capsize=3,
+                    label=f"{method} (n={seeds})")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.minorticks_off()
+    ax.set(xlabel="k (samples per problem)", ylabel="pass@k", ylim=(0, 1),
+           title=f"the {rare['problems']} of {rare['of']} test problems the base model solved\n"
+                 f"in at most {rare['threshold']} of its {rare['eval_n']} samples")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save(fig, path, "Where the paper's pass@k claim lives: mean over seeds, 95% t-interval")

@@ -10,6 +10,7 @@ import numpy as np
 
 from stats import bootstrap_interval, final_mean, paired_differences, pooled_auc, smallest_detectable, t_interval
 from sweep import CLAIMS, SweepError, read_result
+from eval import pass_at_k  # noqa: E402  (sweep put the project root on the path; eval.py's unbiased pass@k)
 
 
 AXIS_METHODS = ("pacs", "pacs-critic-off")
@@ -85,6 +86,48 @@ def lab_summary(runs_root, prompts=32, last=10):
     return {"settings": settings, "runs": runs, "axis": axis, "paired": [p for p in paired if p["seeds"]],
             "beta_axis": beta_axis, "calibration": {m: c for m, c in calibration.items() if c},
             "wall_s": round(sum(r["wall_s"] for rs in groups.values() for r in rs), 1)}
+
+
+RARE_KS = (1, 16, 64, 256)
+
+
+def rare_summary(problems_dir, swept, threshold=1):
+    """summary.json's "rare": pass@k on the test problems the base model solved in at most `threshold` of its
+    samples at eval seed 0 (problems_dir/base-s0.json, lab_problems.py's counts: the samples lab.json measured), for
+    every run in problems_dir, and PACS against each baseline there, paired by seed (sweep.CLAIMS), at k in RARE_KS.
+    "base" is the base model on fresh samples (base-s<seed>.json at other eval seeds, averaged): its selection
+    sample's own numbers ("base_selection") are low by construction, the set being the problems where they were
+    low. None without base-s0.json."""
+    path = os.path.join(problems_dir, "base-s0.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        selection = json.load(f)
+    rare = sorted(i for i, c in selection["correct"].items() if c <= threshold)
+    if not rare:
+        raise SweepError(f"{path}: no problem solved by at most {threshold} of {selection['eval_n']} samples")
+
+    def on_rare(counts, n):
+        missing = [i for i in rare if i not in counts]
+        if missing:
+            raise SweepError(f"{len(missing)} of the base model's rare problems have no count (first {missing[0]})")
+        return {f"pass@{k}": round(float(np.mean([pass_at_k(n, counts[i], k) for i in rare])), 5)
+                for k in RARE_KS if k <= n}
+
+    runs, fresh = [], []
+    for fname in sorted(os.listdir(problems_dir)):
+        if fname.endswith(".json") and fname != "base-s0.json":
+            with open(os.path.join(problems_dir, fname)) as f:
+                r = json.load(f)
+            (fresh if r["method"] == "base" else runs).append(
+                {"method": r["method"], "seed": r["seed"], **on_rare(r["correct"], r["eval_n"])})
+    runs.sort(key=lambda e: (e["method"], e["seed"]))
+    metrics = [f"pass@{k}" for k in RARE_KS if k <= selection["eval_n"]]
+    paired = [paired_entry(runs, a, b, m, swept) for a, b in CLAIMS for m in metrics]
+    return {"threshold": threshold, "eval_n": selection["eval_n"], "problems": len(rare),
+            "of": len(selection["correct"]), "base_selection": on_rare(selection["correct"], selection["eval_n"]),
+            "base": {m: round(float(np.mean([b[m] for b in fresh])), 5) for m in metrics} if fresh else None,
+            "base_seeds": sorted(b["seed"] for b in fresh), "runs": runs, "paired": [p for p in paired if p["seeds"]]}
 
 
 def base_entry(lab_dir):

@@ -57,8 +57,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import lab  # noqa: E402  (the shipped lab and its splits)
-from figures import plot, plot_axis, plot_beta, plot_reliability  # noqa: E402
-from lab_summary import BETA_METHODS, base_entry, flag_value, lab_scan, lab_summary  # noqa: E402
+from figures import plot, plot_axis, plot_beta, plot_rare, plot_reliability  # noqa: E402
+from lab_summary import BETA_METHODS, base_entry, flag_value, lab_scan, lab_summary, rare_summary  # noqa: E402
 from summary import base_pass_at_k, collect, statistics, write_summary  # noqa: E402
 from sweep import (ALIASES, DEFAULT_METHODS, METHODS, SweepError, check_sweep_file, eval_command, eval_dir,  # noqa: E402
                    evaluate, resolve_methods, train_and_eval, train_command)
@@ -269,6 +269,10 @@ def main(argv=None):
             base = base_entry(args.lab) if args.lab else None
             if base:  # the base model's pass@k beside the runs': what RL added, k by k
                 summary["base"] = base
+            rare = rare_summary(os.path.join(os.path.dirname(args.results), "problems-" + os.path.basename(
+                args.results)), args.prompts // args.num_mini_batches)
+            if rare:  # pass@k on the problems the base model rarely solved (lab_problems.py's counts)
+                summary["rare"] = rare
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=1)
             print(f"summary: {args.summary_json} ({len(summary['runs'])} runs, {len(summary['axis'])} on the axis)")
@@ -279,6 +283,8 @@ def main(argv=None):
                 print(f"figure: {plot_beta(summary, os.path.join(where, 'lab_beta.png'), best_beta(args))}")
             elif "pacs" in summary["calibration"]:  # one beta: the reliability of pacs's and critic-off's psi
                 print(f"figure: {plot_reliability(summary, os.path.join(where, 'lab_reliability.png'))}")
+            if summary.get("rare"):
+                print(f"figure: {plot_rare(summary, os.path.join(where, 'lab_rare.png'))}")
     except SweepError as e:
         sys.exit(f"trend.py: error: {e}")
     except subprocess.CalledProcessError as e:

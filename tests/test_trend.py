@@ -446,7 +446,7 @@ def check_summary_schema(summary):
     """The schema of docs/lab/summary.json (and a few more settings): the keys and their types. The first sweep's
     (the archive's) predates beta_axis and calibration."""
     assert {"settings", "runs", "axis", "paired", "wall_s"} <= set(summary) <= {
-        "settings", "runs", "axis", "paired", "wall_s", "beta_axis", "calibration", "base"}
+        "settings", "runs", "axis", "paired", "wall_s", "beta_axis", "calibration", "base", "rare"}
     settings = summary["settings"]
     for key in ("prompts", "group_size", "num_mini_batches", "steps", "max_new_tokens", "eval_n"):
         assert isinstance(settings[key], int) and settings[key] >= 1, key
@@ -482,6 +482,17 @@ def check_summary_schema(summary):
         curve = [base["pass@k"][str(k)] for k in range(1, base["eval_n"] + 1)]
         assert len(base["pass@k"]) == base["eval_n"] and 0 <= curve[0] and curve[-1] <= 1
         assert all(a <= b + 1e-9 for a, b in zip(curve, curve[1:]))  # pass@k never falls with k
+    if "rare" in summary:  # pass@k on the problems the base model rarely solved (lab_summary.rare_summary)
+        rare = summary["rare"]
+        assert set(rare) == {"threshold", "eval_n", "problems", "of", "base_selection", "base", "base_seeds", "runs",
+                             "paired"} and 1 <= rare["problems"] <= rare["of"] and rare["eval_n"] == settings["eval_n"]
+        metrics = set(rare["base_selection"])
+        assert rare["base"] is None or set(rare["base"]) == metrics
+        assert {(r["method"], r["seed"]) for r in rare["runs"]} <= {(r["method"], r["seed"]) for r in summary["runs"]}
+        for r in rare["runs"]:
+            assert set(r) == {"method", "seed"} | metrics and all(0 <= r[m] <= 1 for m in metrics)
+        for p in rare["paired"]:
+            assert p["metric"] in metrics and p["a"] == "pacs" and p["seeds"] >= 1
     for method, c in summary.get("calibration", {}).items():
         assert set(c) == {"edges", "n", "sigma", "right"} and len(c["edges"]) == len(c["n"]) + 1
         assert all(0 <= r <= n for r, n in zip(c["right"], c["n"]))
@@ -588,6 +599,34 @@ def test_a_lab_sweeps_summary_json_carries_its_base_model(tmp_path, monkeypatch)
     summary = json.load(open(tmp_path / "summary.json"))
     check_summary_schema(summary)
     assert summary["base"] == {"eval_n": 4, "weights_sha256": "ab" * 32, "pass@k": passk}
+
+
+def test_a_lab_sweeps_summary_json_carries_pass_at_k_on_the_base_models_rare_problems(tmp_path, monkeypatch):
+    """With lab_problems.py's counts beside the result files (problems-test-p8/), summary.json gets "rare" and the
+    summary writes lab_rare.png; PACS against GRPO there is paired by seed."""
+    monkeypatch.setattr(sweep, "run_command", FakeRunner())
+    runs = tmp_path / "runs"
+    argv = _argv(tmp_path / "out", "--prompts", "8", "--results", str(runs / "test-p8"),
+                 "--summary-json", str(tmp_path / "summary.json"))
+    trend.main(argv)
+    assert "rare" not in json.load(open(tmp_path / "summary.json"))  # no counts: no "rare"
+    problems = runs / "problems-test-p8"
+    problems.mkdir()
+    counts = lambda *c: {"eval_n": 4, "correct": {f"p{i}": x for i, x in enumerate(c)}}
+    (problems / "base-s0.json").write_text(json.dumps({"method": "base", "seed": 0, **counts(4, 1, 0, 0)}))
+    for seed in (0, 1, 2):
+        for method, extra in (("pacs", seed), ("grpo", 0)):
+            (problems / f"{method}-s{seed}.json").write_text(json.dumps(
+                {"method": method, "seed": seed, **counts(4, 1 + extra, extra, 0)}))
+    trend.main(argv)
+    summary = json.load(open(tmp_path / "summary.json"))
+    check_summary_schema(summary)
+    rare = summary["rare"]
+    assert (rare["problems"], rare["of"]) == (3, 4) and rare["base_selection"] == {"pass@1": round(1 / 12, 5)}
+    (pair,) = rare["paired"]
+    assert (pair["a"], pair["b"], pair["metric"], pair["seeds"]) == ("pacs", "grpo", "pass@1", 3)
+    assert pair["mean"] == pytest.approx((0 + 2 / 12 + 4 / 12) / 3, abs=1e-5)  # seed s adds 2s correct of 12
+    assert os.path.getsize(tmp_path / "lab_rare.png") > 10_000
 
 
 def test_the_reliability_figures_best_beta_is_the_validation_scans(tmp_path):

@@ -1,0 +1,102 @@
+"""Each finished run's correct samples per test problem, kept beside its result file: what pass@k on a subset of
+the problems is computed from (the second lab asks it of the problems its base model rarely solves, where the
+paper's exploration claim lives).
+
+A result file keeps pass@1..n over all problems; the per-problem counts live in the run directory's eval samples
+(eval.py's samples.jsonl, 2.8 MB at 200 problems x 256 samples), which are not committed. This writes them, small,
+into the lab's results:
+
+    python experiments/lab_problems.py experiments/out_lab2/test-p32-a experiments/out_lab2/test-p32-b \\
+        --into docs/lab2/results/problems-test-p32 --results docs/lab2/results/test-p32
+
+<into>/<method>-s<seed>.json for every run directory (<method>-s<seed>/) whose last eval finished, and
+base-s<eval seed>.json from an eval_base/ (the sweep's, at eval.py's seed 0: the samples lab.json measured; another
+seed's is a fresh look at the same model); {"method", "seed", "eval_n", "correct": {problem id: correct samples}}.
+A file that exists is left as it is, so the command can run as often as runs land.
+"""
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+
+RUN_DIR = re.compile(r"^(?P<method>.+)-s(?P<seed>\d+)$")
+
+
+def finished_eval(directory):
+    """The eval directory of a run's last eval (eval-step<N>/ with the largest N, or eval_base/ itself) when eval.py
+    finished it (its metrics.json is written last), else None."""
+    if os.path.basename(directory) == "eval_base":
+        candidates = [directory]
+    else:
+        candidates = sorted(glob.glob(os.path.join(directory, "eval-step*")),
+                            key=lambda p: int(p.rsplit("eval-step", 1)[1]))[-1:]
+    for d in candidates:
+        if os.path.isfile(os.path.join(d, "metrics.json")) and os.path.isfile(os.path.join(d, "samples.jsonl")):
+            return d
+    return None
+
+
+def problem_counts(eval_dir):
+    """(n, {problem id: correct samples}) from eval.py's samples.jsonl: one dataset, every problem n samples."""
+    counts, ns = {}, set()
+    with open(os.path.join(eval_dir, "samples.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if row["id"] in counts:
+                sys.exit(f"lab_problems.py: error: {eval_dir}/samples.jsonl holds problem {row['id']} twice")
+            counts[row["id"]] = sum(bool(c) for c in row["correct"])
+            ns.add(len(row["correct"]))
+    if len(ns) != 1:
+        sys.exit(f"lab_problems.py: error: {eval_dir}/samples.jsonl has {sorted(ns)} samples per problem, not one n")
+    return ns.pop(), counts
+
+
+def collect(run_parents, into, results=None):
+    """Write <into>/<method>-s<seed>.json for every finished run under the run_parents (with `results`, only the
+    runs whose result file is there: the runs that count as done) and <into>/base-s<seed>.json from their eval_base/;
+    returns the paths written (existing files are kept)."""
+    os.makedirs(into, exist_ok=True)
+    written = []
+    for parent in run_parents:
+        if not os.path.isdir(parent):
+            sys.exit(f"lab_problems.py: error: {parent} is not a directory (a sweep's --out)")
+        for name in sorted(os.listdir(parent)):
+            match = RUN_DIR.match(name)
+            if name != "eval_base" and not match:
+                continue
+            eval_dir = finished_eval(os.path.join(parent, name))
+            if eval_dir is None:
+                continue
+            if name == "eval_base":  # named by eval.py's seed: base-s0.json is the samples lab.json measured
+                with open(os.path.join(eval_dir, "config.json")) as f:
+                    name = f"base-s{json.load(f)['seed']}"
+                match = RUN_DIR.match(name)
+            target = os.path.join(into, f"{name}.json")
+            if os.path.exists(target):
+                continue
+            if results and match["method"] != "base" and not os.path.isfile(os.path.join(results, f"{name}.json")):
+                continue
+            n, counts = problem_counts(eval_dir)
+            entry = {"method": match["method"], "seed": int(match["seed"]), "eval_n": n, "correct": counts}
+            with open(target + ".tmp", "w") as f:
+                json.dump(entry, f, indent=0)
+            os.replace(target + ".tmp", target)  # a killed write leaves no half file that counts as done
+            written.append(target)
+    return written
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("run_parents", nargs="+", help="sweep --out directories holding <method>-s<seed>/ and eval_base/")
+    p.add_argument("--into", required=True, help="where the counts go, e.g. docs/lab2/results/problems-test-p32")
+    p.add_argument("--results", help="only runs with a result file here (the sweep's --results), e.g. "
+                                     "docs/lab2/results/test-p32")
+    args = p.parse_args(argv)
+    written = collect(args.run_parents, args.into, args.results)
+    print(f"{len(written)} written into {args.into}" + "".join(f"\n  {os.path.basename(w)}" for w in written))
+
+
+if __name__ == "__main__":
+    main()
