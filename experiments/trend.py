@@ -277,7 +277,7 @@ def main(argv=None):
                 json.dump(summary, f, indent=1)
             print(f"summary: {args.summary_json} ({len(summary['runs'])} runs, {len(summary['axis'])} on the axis)")
             where = os.path.dirname(args.summary_json) or "."
-            if summary["axis"]:
+            if len({a["prompts_per_mini_batch"] for a in summary["axis"]}) > 1:  # an axis, not its one point
                 print(f"figure: {plot_axis(summary, os.path.join(where, 'lab_axis.png'))}")
             if len({b["beta"] for b in summary["beta_axis"]}) > 1:
                 print(f"figure: {plot_beta(summary, os.path.join(where, 'lab_beta.png'), best_beta(args))}")

@@ -627,6 +627,7 @@ def test_a_lab_sweeps_summary_json_carries_pass_at_k_on_the_base_models_rare_pro
     assert (pair["a"], pair["b"], pair["metric"], pair["seeds"]) == ("pacs", "grpo", "pass@1", 3)
     assert pair["mean"] == pytest.approx((0 + 2 / 12 + 4 / 12) / 3, abs=1e-5)  # seed s adds 2s correct of 12
     assert os.path.getsize(tmp_path / "lab_rare.png") > 10_000
+    assert not os.path.exists(tmp_path / "lab_axis.png")  # one prompts per mini-batch: a point, not an axis
 
 
 def test_the_reliability_figures_best_beta_is_the_validation_scans(tmp_path):
