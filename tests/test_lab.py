@@ -280,8 +280,11 @@ def test_a_shipped_labs_weights_are_the_ones_its_lab_json_names(base):
 
 
 def _result_files(base):
+    """Every result file under docs/<tag>/results/; problems-*/ holds lab_problems.py's per-problem counts, which
+    tests/test_lab_problems.py ties to these (each count file gives back its result file's pass@k)."""
     root = os.path.join(os.path.dirname(base), "results")
-    return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f.endswith(".json"))
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
+                  if f.endswith(".json") and not os.path.relpath(d, root).startswith("problems-"))
 
 
 @pytest.mark.parametrize("base", SHIPPED_LABS, ids=lambda p: os.path.relpath(p, ROOT))
