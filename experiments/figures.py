@@ -208,7 +208,6 @@ def plot_reliability(summary, path):
     return save(fig, path, f"What sigma(psi) knows: mini-batches 1..M-1, {seeds} seeds pooled")
 
 
-
 def plot_rare(summary, path):
     """pass@k at k in summary["rare"]'s metrics on the test problems the base model rarely solved: the base model
     (dashed) and each method's mean over seeds with its 95% t-interval."""

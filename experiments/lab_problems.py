@@ -69,17 +69,18 @@ def collect(run_parents, into, results=None):
             eval_dir = finished_eval(os.path.join(parent, name))
             if eval_dir is None:
                 continue
-            if name == "eval_base":  # named by eval.py's seed: base-s0.json is the samples lab.json measured
+            if match:
+                method, seed = match["method"], int(match["seed"])
+                if results and not os.path.isfile(os.path.join(results, f"{name}.json")):
+                    continue
+            else:  # eval_base/, named by eval.py's seed: base-s0.json is the samples lab.json measured
                 with open(os.path.join(eval_dir, "config.json")) as f:
-                    name = f"base-s{json.load(f)['seed']}"
-                match = RUN_DIR.match(name)
-            target = os.path.join(into, f"{name}.json")
+                    method, seed = "base", json.load(f)["seed"]
+            target = os.path.join(into, f"{method}-s{seed}.json")
             if os.path.exists(target):
                 continue
-            if results and match["method"] != "base" and not os.path.isfile(os.path.join(results, f"{name}.json")):
-                continue
             n, counts = problem_counts(eval_dir)
-            entry = {"method": match["method"], "seed": int(match["seed"]), "eval_n": n, "correct": counts}
+            entry = {"method": method, "seed": seed, "eval_n": n, "correct": counts}
             with open(target + ".tmp", "w") as f:
                 json.dump(entry, f, indent=0)
             os.replace(target + ".tmp", target)  # a killed write leaves no half file that counts as done
