@@ -8,7 +8,8 @@ import os
 
 import numpy as np
 
-from stats import bootstrap_interval, final_mean, paired_differences, pooled_auc, smallest_detectable, t_interval
+from stats import (bootstrap_interval, final_mean, paired_differences, paired_p, pooled_auc, smallest_detectable,
+                   t_interval)
 from sweep import CLAIMS, SweepError, read_result
 from eval import pass_at_k  # noqa: E402  (sweep put the project root on the path; eval.py's unbiased pass@k)
 
@@ -160,17 +161,19 @@ def add_counts(a, b):
 
 def paired_entry(entries, a, b, metric, prompts_per_mini_batch):
     """a - b in `metric`, paired by seed over the entries (summary runs or axis points): the mean, its 95% t- and
-    bootstrap intervals, and the smallest difference this many seeds could detect (80% power); None for nan."""
+    bootstrap intervals, the smallest difference this many seeds could detect (80% power) and the paired t-test's
+    two-sided p-value; None for nan."""
     by = {}
     for e in entries:
         if e.get(metric) is not None:
             by.setdefault(e["method"], {})[e["seed"]] = e[metric]
     seeds, d = paired_differences(by.get(a, {}), by.get(b, {}))
     clean = lambda x: None if math.isnan(x) else round(float(x), 5)
-    t, boot = t_interval(d), bootstrap_interval(d)
+    t, boot, p = t_interval(d), bootstrap_interval(d), paired_p(d)
     return {"prompts_per_mini_batch": prompts_per_mini_batch, "a": a, "b": b, "metric": metric, "seeds": len(seeds),
             "mean": clean(t[0]), "ci95_t": [clean(t[1]), clean(t[2])], "ci95_bootstrap": [clean(boot[1]), clean(boot[2])],
-            "detectable_80": clean(smallest_detectable(d))}
+            "detectable_80": clean(smallest_detectable(d)),
+            "p_t": None if math.isnan(p) else float(f"{p:.3g}")}  # 3 significant digits: a small p stays > 0
 
 
 

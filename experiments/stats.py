@@ -42,6 +42,18 @@ def smallest_detectable(diffs, level=0.95, power=0.8):
     return float((stats.t.ppf((1 + level) / 2, df) + stats.t.ppf(power, df)) * d.std(ddof=1) / math.sqrt(len(d)))
 
 
+def paired_p(diffs):
+    """The two-sided p-value of a paired t-test that the mean difference is 0 (scipy.stats.ttest_rel's on the pairs,
+    written out as t_interval is); nan with fewer than 2 differences or none of them spread. A table of many
+    comparisons reads it against a threshold for all of them (Bonferroni: 0.05 / their number)."""
+    d = np.asarray(diffs, dtype=float)  # (n,)
+    if len(d) < 2 or d.std(ddof=1) == 0:
+        return math.nan
+    # t = mean / (s / sqrt(n)),  p = 2 P(T_{n-1} > |t|)
+    t = d.mean() / (d.std(ddof=1) / math.sqrt(len(d)))
+    return float(2 * stats.t.sf(abs(t), len(d) - 1))
+
+
 def paired_differences(a, b):
     """Seeds both runs have, and a[seed] - b[seed] for each: the comparison is within a seed, where both
     methods saw the same prompts in the same order, so the seed-to-seed spread cancels."""

@@ -13,6 +13,7 @@ import types
 
 import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
 import lab_summary  # noqa: E402
@@ -61,6 +62,23 @@ def test_smallest_detectable_difference():
     samples = rng.standard_normal((4000, n)) + delta  # (sims, n): differences of spread 1 and mean delta
     t = samples.mean(1) / (samples.std(1, ddof=1) / math.sqrt(n))
     assert 0.75 < float(np.mean(np.abs(t) > crit)) < 0.85
+
+
+def test_paired_p_is_the_paired_t_tests_and_agrees_with_the_t_interval():
+    """At n = 3 (df = 2) the two-sided p of t has a closed form, 1 - |t| / sqrt(2 + t^2); p < 0.05 exactly when the
+    95% t-interval excludes 0; too few or unspread differences give nan."""
+    d = [0.01, 0.03, 0.08]
+    t = np.mean(d) / (np.std(d, ddof=1) / math.sqrt(3))
+    assert trend_stats.paired_p(d) == pytest.approx(1 - abs(t) / math.sqrt(2 + t * t), rel=1e-7)
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        a = rng.random(14)  # (14,): one method's pass@1 over 14 seeds; b the other's, paired
+        b = a - rng.normal(0.02, 0.03, 14)
+        x = a - b
+        assert trend_stats.paired_p(x) == pytest.approx(scipy_stats.ttest_rel(a, b).pvalue, rel=1e-9)
+        mean, lo, hi = trend_stats.t_interval(x)
+        assert (trend_stats.paired_p(x) < 0.05) == (lo > 0 or hi < 0)
+    assert math.isnan(trend_stats.paired_p([0.1])) and math.isnan(trend_stats.paired_p([0.1, 0.1]))
 
 
 def test_paired_bootstrap_cancels_the_seed_spread():
@@ -466,8 +484,11 @@ def check_summary_schema(summary):
         assert set(a) == {"prompts_per_mini_batch", "method", "seed", "critic_auc", "pass@1"}
         assert a["method"] in lab_summary.AXIS_METHODS and isinstance(a["prompts_per_mini_batch"], int)
     for p in summary["paired"]:
-        assert set(p) == {"prompts_per_mini_batch", "a", "b", "metric", "seeds", "mean", "ci95_t", "ci95_bootstrap",
-                          "detectable_80"}
+        assert set(p) - {"p_t"} == {"prompts_per_mini_batch", "a", "b", "metric", "seeds", "mean", "ci95_t",
+                                    "ci95_bootstrap", "detectable_80"}  # p_t: the summaries written since it was added
+        if p.get("p_t") is not None:  # p < 0.05 where the 95% t-interval excludes 0 (both rounded: not at 0.05)
+            assert 0 < p["p_t"] <= 1
+            assert abs(p["p_t"] - 0.05) < 1e-3 or (p["p_t"] < 0.05) == (not p["ci95_t"][0] <= 0 <= p["ci95_t"][1])
         assert p["seeds"] >= 1 and p["metric"] in ("pass@1", "pass@16", "pass@64", "pass@256") and len(p["ci95_t"]) == 2
         assert p["seeds"] == 1 or p["ci95_t"][0] <= p["mean"] <= p["ci95_t"][1]
     assert isinstance(summary["wall_s"], float) and summary["wall_s"] >= 0
@@ -522,6 +543,7 @@ def test_lab_summary_follows_the_schema(tmp_path, monkeypatch):
     grpo = summary["paired"][1]
     assert grpo["mean"] == pytest.approx(np.mean(d), abs=1e-5)
     assert grpo["detectable_80"] == pytest.approx(trend_stats.smallest_detectable(d), abs=1e-5)
+    assert grpo["p_t"] == pytest.approx(trend_stats.paired_p(d), rel=1e-2)
     # and the same through the command line
     trend.main(_argv(tmp_path / "out8", "--methods", "pacs", "pacs-critic-off", "grpo", "--prompts", "8",
                      "--results", str(runs / "test-p8"), "--summary-json", str(tmp_path / "summary.json")))
@@ -717,6 +739,8 @@ def test_the_archived_summary_and_scan_regenerate_from_their_result_files():
     again = json.loads(json.dumps(lab_summary.lab_summary(ARCHIVE, prompts=32, last=10)))
     assert again["beta_axis"] and all(b["beta"] == 1.0 for b in again["beta_axis"])  # the first sweep ran beta 1
     assert again["calibration"] == {}  # its result files predate the reliability counts
+    for p in again["paired"]:  # the archive predates the paired t-test's p-value
+        del p["p_t"]
     assert _close({k: again[k] for k in committed}, committed) == []
     scan = json.loads(json.dumps(lab_summary.lab_scan(ARCHIVE, prompts=32)))
     assert _close(scan, json.load(open(os.path.join(ARCHIVE, "scan.json")))) == []
