@@ -13,6 +13,12 @@ into the lab's results:
 base-s<eval seed>.json from an eval_base/ (the sweep's, at eval.py's seed 0: the samples lab.json measured; another
 seed's is a fresh look at the same model); {"method", "seed", "eval_n", "correct": {problem id: correct samples}}.
 A file that exists is left as it is, so the command can run as often as runs land.
+
+With --table, the counts are read back instead: pass@1 and pass@n per method (mean over seeds; "base": every eval
+seed of the base model) on the test problems of each chain length (a lab solution writes one line per operation),
+printed as a markdown table:
+
+    python experiments/lab_problems.py --table docs/lab2/base/test.jsonl --into docs/lab2/results/problems-test-p32
 """
 import argparse
 import glob
@@ -88,13 +94,71 @@ def collect(run_parents, into, results=None):
     return written
 
 
+def chain_lengths(problems_jsonl):
+    """{problem id: operations}: a lab solution (lab.make_problem) writes one line per operation."""
+    with open(problems_jsonl) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    missing = [r.get("id", "?") for r in rows if not r.get("solution")]
+    if missing:
+        sys.exit(f"lab_problems.py: error: {problems_jsonl}: problem {missing[0]} has no worked solution "
+                 "(--table reads a lab's test.jsonl)")
+    return {r["id"]: r["solution"].count("\n") + 1 for r in rows}
+
+
+def by_chain_length(into, problems_jsonl):
+    """{method: {"seeds", "eval_n", "problems": {ops: count}, "pass@1": {ops: mean}, "pass@n": {ops: mean}}} from the
+    count files in `into`: per file, pass@1 and pass@n averaged over the problems of each chain length (eval.py's
+    estimator), then over the method's seeds; every base-s*.json counts as a seed of the method "base"."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from eval import pass_at_k  # the unbiased estimator (eval.py imports torch: only this mode needs it)
+    ops = chain_lengths(problems_jsonl)
+    problems = {o: sum(v == o for v in ops.values()) for o in sorted(set(ops.values()))}
+    per_method = {}
+    for path in sorted(glob.glob(os.path.join(into, "*.json"))):
+        with open(path) as f:
+            entry = json.load(f)
+        if set(entry["correct"]) != set(ops):
+            sys.exit(f"lab_problems.py: error: {path} counts other problems than {problems_jsonl} holds")
+        n = entry["eval_n"]
+        per_method.setdefault((entry["method"], n), []).append(
+            {key: {o: sum(pass_at_k(n, c, k) for i, c in entry["correct"].items() if ops[i] == o) / problems[o]
+                   for o in problems} for key, k in (("pass@1", 1), ("pass@n", n))})
+    if not per_method:
+        sys.exit(f"lab_problems.py: error: no count files in {into}")
+    return {method: {"seeds": len(files), "eval_n": n, "problems": problems,
+                     **{key: {o: sum(f[key][o] for f in files) / len(files) for o in problems}
+                        for key in ("pass@1", "pass@n")}}
+            for (method, n), files in sorted(per_method.items())}
+
+
+def print_table(table):
+    """The table as markdown: a row per method (the base model first), a column per chain length."""
+    first = next(iter(table.values()))
+    print("| method | seeds | " + " | ".join(f"{o} ops ({c} problems): pass@1, pass@{first['eval_n']}"
+                                             for o, c in first["problems"].items()) + " |")
+    print("|---|---:|" + "---:|" * len(first["problems"]))
+    for method in sorted(table, key=lambda m: (m != "base", m)):
+        row = table[method]
+        print(f"| {method} | {row['seeds']} | " + " | ".join(
+            f"{row['pass@1'][o]:.3f}, {row['pass@n'][o]:.3f}" for o in row["problems"]) + " |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("run_parents", nargs="+", help="sweep --out directories holding <method>-s<seed>/ and eval_base/")
+    p.add_argument("run_parents", nargs="*", help="sweep --out directories holding <method>-s<seed>/ and eval_base/")
     p.add_argument("--into", required=True, help="where the counts go, e.g. docs/lab2/results/problems-test-p32")
     p.add_argument("--results", help="only runs with a result file here (the sweep's --results), e.g. "
                                      "docs/lab2/results/test-p32")
+    p.add_argument("--table", metavar="TEST_JSONL", help="read the counts in --into back instead: pass@1 and pass@n "
+                                                         "per method by chain length, the problems from this file")
     args = p.parse_args(argv)
+    if args.table:
+        if args.run_parents:
+            p.error("--table reads the counts in --into; it takes no run directories")
+        print_table(by_chain_length(args.into, args.table))
+        return
+    if not args.run_parents:
+        p.error("name the sweep --out directories to collect from (or --table to read the counts back)")
     written = collect(args.run_parents, args.into, args.results)
     print(f"{len(written)} written into {args.into}" + "".join(f"\n  {os.path.basename(w)}" for w in written))
 

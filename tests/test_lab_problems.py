@@ -1,6 +1,6 @@
-"""experiments/lab_problems.py (each run's correct samples per test problem, from its eval samples) and
-lab_summary.rare_summary (pass@k on the problems the base model rarely solved, paired by seed); and the committed
-counts against the result files and the lab's own measurement of its base model."""
+"""experiments/lab_problems.py (each run's correct samples per test problem, from its eval samples; read back by
+chain length) and lab_summary.rare_summary (pass@k on the problems the base model rarely solved, paired by seed);
+and the committed counts against the result files and the lab's own measurement of its base model."""
 import glob
 import json
 import os
@@ -139,3 +139,52 @@ def test_the_committed_counts_agree_with_their_result_files_and_the_base_models_
         for k in (1, 16, n):
             again = sum(pass_at_k(n, c, k) for c in counts["correct"].values()) / len(counts["correct"])
             assert again == pytest.approx(recorded[str(k)], abs=1e-9), (path, k)
+
+
+def write_problems(path, lines_per_problem):
+    """A lab test.jsonl: each problem's worked solution has one line per operation."""
+    with open(path, "w") as f:
+        for pid, lines in lines_per_problem.items():
+            f.write(json.dumps({"id": pid, "problem": "?", "answer": "0",
+                                "solution": "\n".join(["x"] * lines)}) + "\n")
+
+
+def test_the_table_by_chain_length_averages_problems_then_seeds(sweep_out, tmp_path, capsys):
+    into = tmp_path / "problems-test-p8"
+    lab_problems.collect([str(sweep_out), str(tmp_path / "fresh")], str(into))
+    problems = tmp_path / "test.jsonl"
+    write_problems(problems, {"p0": 2, "p1": 2, "p2": 3})  # p0, p1: 2 operations; p2: 3
+    table = lab_problems.by_chain_length(str(into), str(problems))
+    assert set(table) == {"base", "pacs", "grpo"} and table["pacs"]["problems"] == {2: 2, 3: 1}
+    assert table["base"]["seeds"] == 2 and table["pacs"]["eval_n"] == 4  # base-s0 and base-s1
+    # pacs: s0 solved p0 4, p1 2, p2 1 of 4; s1 p0 3, p1 3, p2 0
+    assert table["pacs"]["pass@1"] == {2: pytest.approx(((4 + 2) / 8 + (3 + 3) / 8) / 2), 3: pytest.approx(1 / 8)}
+    assert table["pacs"]["pass@n"] == {2: pytest.approx(1.0), 3: pytest.approx(0.5)}  # p2 solved at s0 only
+    assert table["grpo"]["pass@n"] == {2: pytest.approx(0.75), 3: pytest.approx(0.0)}  # p1 solved at s0 only
+    assert table["base"]["pass@1"][3] == pytest.approx((0 + 1 / 4) / 2)
+    lab_problems.main(["--table", str(problems), "--into", str(into)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| method | seeds | 2 ops (2 problems): pass@1, pass@4 | 3 ops (1 problems): pass@1, pass@4 |"
+    assert out[2].startswith("| base | 2 | ") and out[4] == "| pacs | 2 | 0.750, 1.000 | 0.125, 0.500 |"
+
+
+def test_the_table_refuses_other_problems_and_the_wrong_arguments(sweep_out, tmp_path, capsys):
+    into = tmp_path / "problems-test-p8"
+    lab_problems.collect([str(sweep_out)], str(into))
+    other = tmp_path / "other.jsonl"
+    write_problems(other, {"p0": 2, "p1": 2})  # no p2
+    with pytest.raises(SystemExit, match="counts other problems than"):
+        lab_problems.by_chain_length(str(into), str(other))
+    with open(other, "w") as f:
+        f.write(json.dumps({"id": "p0", "problem": "?", "answer": "0"}) + "\n")
+    with pytest.raises(SystemExit, match="problem p0 has no worked solution"):
+        lab_problems.by_chain_length(str(into), str(other))
+    write_problems(other, {"p0": 2, "p1": 2, "p2": 3})
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no count files in"):
+        lab_problems.by_chain_length(str(tmp_path / "empty"), str(other))
+    for argv, message in ((["--into", str(into)], "name the sweep --out directories"),
+                          (["--table", str(other), "--into", str(into), str(sweep_out)], "takes no run directories")):
+        with pytest.raises(SystemExit):
+            lab_problems.main(argv)
+        assert message in capsys.readouterr().err
