@@ -131,6 +131,36 @@ def rare_summary(problems_dir, swept, threshold=1):
             "base_seeds": sorted(b["seed"] for b in fresh), "runs": runs, "paired": [p for p in paired if p["seeds"]]}
 
 
+def control_summary(runs_root, prompts, reference="pacs"):
+    """summary.json's "control": runs of a method at an lr other than the one its scan chose (result dirs
+    runs_root/control-p<prompts>-lr<lr>/, written by trend.py with --lr and that --results), named "<method>@lr<lr>",
+    each paired by seed with the sweep's `reference` runs and with the same method's sweep runs, at k in RARE_KS:
+    whether a margin over a method is the method or the lr it ran at. None without such a directory."""
+    def passk(r, name):
+        at = next(iter(r["eval"].values()))
+        return {"method": name, "seed": r["seed"], **{f"pass@{k}": at[str(k)] for k in RARE_KS if str(k) in at}}
+
+    swept = {(r["method"], r["seed"]): r for r in lab_results(runs_root, f"test-p{prompts}")
+             if r["settings"]["prompts"] == prompts}
+    runs, pairs = [], []
+    for r in lab_results(runs_root, f"control-p{prompts}-lr"):
+        ref = swept.get((reference, r["seed"]))
+        differ = [k for k in SUMMARY_SETTINGS if ref and r["settings"].get(k) != ref["settings"].get(k)]
+        if differ:
+            raise SweepError(f"control run {r['method']}-s{r['seed']} differs from the sweep's in {', '.join(differ)}")
+        name = f"{r['method']}@lr{r['settings']['lr']:g}"
+        runs.append(passk(r, name))
+        pairs += [(reference, name), (name, r["method"])]
+    if not runs:
+        return None
+    runs.sort(key=lambda e: (e["method"], e["seed"]))
+    entries = runs + [passk(r, m) for (m, _), r in swept.items()]
+    per_mini_batch = prompts // next(iter(swept.values()))["settings"]["num_mini_batches"] if swept else None
+    metrics = [m for m in (f"pass@{k}" for k in RARE_KS) if any(m in e for e in runs)]
+    paired = [paired_entry(entries, a, b, m, per_mini_batch) for a, b in dict.fromkeys(pairs) for m in metrics]
+    return {"runs": runs, "paired": [p for p in paired if p["seeds"]]}
+
+
 def base_entry(lab_dir):
     """summary.json's "base": the base model's test pass@k for k = 1..eval_n and eval_n, as lab.py measured them
     (its lab.json; T = 1.0, the runs' eval protocol); None when the lab has no lab.json or it measured none."""

@@ -58,7 +58,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import lab  # noqa: E402  (the shipped lab and its splits)
 from figures import plot, plot_axis, plot_beta, plot_rare, plot_reliability  # noqa: E402
-from lab_summary import BETA_METHODS, base_entry, flag_value, lab_scan, lab_summary, rare_summary  # noqa: E402
+from lab_summary import (BETA_METHODS, base_entry, control_summary, flag_value, lab_scan, lab_summary,  # noqa: E402
+                         rare_summary)
 from summary import base_pass_at_k, collect, statistics, write_summary  # noqa: E402
 from sweep import (ALIASES, DEFAULT_METHODS, METHODS, SweepError, check_sweep_file, eval_command, eval_dir,  # noqa: E402
                    evaluate, resolve_methods, train_and_eval, train_command)
@@ -273,6 +274,9 @@ def main(argv=None):
                 args.results)), args.prompts // args.num_mini_batches)
             if rare:  # pass@k on the problems the base model rarely solved (lab_problems.py's counts)
                 summary["rare"] = rare
+            control = control_summary(os.path.dirname(args.results), args.prompts)
+            if control:  # a method at another lr than its choice, against PACS and against itself (control-p*-lr*/)
+                summary["control"] = control
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=1)
             print(f"summary: {args.summary_json} ({len(summary['runs'])} runs, {len(summary['axis'])} on the axis)")

@@ -464,7 +464,7 @@ def check_summary_schema(summary):
     """The schema of docs/lab/summary.json (and a few more settings): the keys and their types. The first sweep's
     (the archive's) predates beta_axis and calibration."""
     assert {"settings", "runs", "axis", "paired", "wall_s"} <= set(summary) <= {
-        "settings", "runs", "axis", "paired", "wall_s", "beta_axis", "calibration", "base", "rare"}
+        "settings", "runs", "axis", "paired", "wall_s", "beta_axis", "calibration", "base", "rare", "control"}
     settings = summary["settings"]
     for key in ("prompts", "group_size", "num_mini_batches", "steps", "max_new_tokens", "eval_n"):
         assert isinstance(settings[key], int) and settings[key] >= 1, key
@@ -514,6 +514,10 @@ def check_summary_schema(summary):
             assert set(r) == {"method", "seed"} | metrics and all(0 <= r[m] <= 1 for m in metrics)
         for p in rare["paired"]:
             assert p["metric"] in metrics and p["a"] == "pacs" and p["seeds"] >= 1
+    if "control" in summary:  # a method at another lr (lab_summary.control_summary)
+        assert set(summary["control"]) == {"runs", "paired"}
+        assert all("@lr" in r["method"] and isinstance(r["seed"], int) for r in summary["control"]["runs"])
+        assert all(p["metric"].startswith("pass@") and p["seeds"] >= 1 for p in summary["control"]["paired"])
     for method, c in summary.get("calibration", {}).items():
         assert set(c) == {"edges", "n", "sigma", "right"} and len(c["edges"]) == len(c["n"]) + 1
         assert all(0 <= r <= n for r, n in zip(c["right"], c["n"]))
@@ -594,6 +598,34 @@ def test_lab_summary_at_256_samples_pairs_k_1_16_64_256(tmp_path, monkeypatch):
     pacs0 = next(r for r in summary["runs"] if (r["method"], r["seed"]) == ("pacs", 0))
     assert (pacs0["pass@16"], pacs0["pass@256"]) == (pytest.approx(0.8), 1.0)  # the fake: 0.5 + 0.02 (k - 1), capped
     assert [p["metric"] for p in summary["paired"]] == ["pass@1", "pass@64", "pass@16", "pass@256"]
+
+
+def test_a_control_at_another_lr_is_paired_with_pacs_and_with_its_own_method(tmp_path, monkeypatch):
+    """Result files in control-p8-lr<lr>/ (a method at an lr its scan did not choose) give summary.json "control":
+    "grpo@lr2e-05" paired by seed with the sweep's PACS and with the sweep's GRPO; a control run whose schedule
+    differs from the sweep's is refused."""
+    monkeypatch.setattr(sweep, "run_command", FakeRunner())
+    runs = tmp_path / "runs"
+    argv = _argv(tmp_path / "out", "--prompts", "8", "--results", str(runs / "test-p8"),
+                 "--summary-json", str(tmp_path / "summary.json"))
+    trend.main(argv)
+    assert "control" not in json.load(open(tmp_path / "summary.json"))  # no control-p8-lr*/: no "control"
+    trend.main(_argv(tmp_path / "control", "--methods", "grpo", "--seeds", "0", "1", "--lr", "2e-5", "--prompts", "8",
+                     "--results", str(runs / "control-p8-lr2e-05")))
+    trend.main(argv)
+    summary = json.load(open(tmp_path / "summary.json"))
+    check_summary_schema(summary)
+    control = summary["control"]
+    assert [(r["method"], r["seed"]) for r in control["runs"]] == [("grpo@lr2e-05", 0), ("grpo@lr2e-05", 1)]
+    assert len(summary["runs"]) == 6  # the sweep's runs stay the sweep's
+    pairs = {(p["a"], p["b"]): p for p in control["paired"]}
+    assert set(pairs) == {("pacs", "grpo@lr2e-05"), ("grpo@lr2e-05", "grpo")}
+    assert pairs["pacs", "grpo@lr2e-05"]["seeds"] == 2 and pairs["pacs", "grpo@lr2e-05"]["mean"] == pytest.approx(0.1)
+    assert pairs["grpo@lr2e-05", "grpo"]["mean"] == pytest.approx(0.0)  # the fake eval does not read the lr
+    trend.main(_argv(tmp_path / "control2", "--methods", "grpo", "--seeds", "2", "--steps", "2", "--lr", "2e-5",
+                     "--prompts", "8", "--results", str(runs / "control-p8-lr2e-05")))
+    with pytest.raises(sweep.SweepError, match="control run grpo-s2 differs from the sweep's in steps"):
+        lab_summary.control_summary(str(runs), 8)
 
 
 @pytest.mark.parametrize("tag, eval_n", [("lab", 64), ("lab2", 256)])
