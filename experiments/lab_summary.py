@@ -131,14 +131,17 @@ def rare_summary(problems_dir, swept, threshold=1):
             "base_seeds": sorted(b["seed"] for b in fresh), "runs": runs, "paired": [p for p in paired if p["seeds"]]}
 
 
-def control_summary(runs_root, prompts, reference="pacs"):
+def control_summary(runs_root, prompts, last=10, reference="pacs"):
     """summary.json's "control": runs of a method at an lr other than the one its scan chose (result dirs
     runs_root/control-p<prompts>-lr<lr>/, written by trend.py with --lr and that --results), named "<method>@lr<lr>",
-    each paired by seed with the sweep's `reference` runs and with the same method's sweep runs, at k in RARE_KS:
-    whether a margin over a method is the method or the lr it ran at. None without such a directory."""
+    each paired by seed with the sweep's `reference` runs and with the same method's sweep runs, at k in RARE_KS
+    and in the final entropy (the mean of the last `last` steps): whether a margin over a method is the method or
+    the lr it ran at. None without such a directory."""
     def passk(r, name):
         at = next(iter(r["eval"].values()))
-        return {"method": name, "seed": r["seed"], **{f"pass@{k}": at[str(k)] for k in RARE_KS if str(k) in at}}
+        return {"method": name, "seed": r["seed"], **{f"pass@{k}": at[str(k)] for k in RARE_KS if str(k) in at},
+                "final_entropy": final_mean([dict(zip(r["metrics"], v)) for v in zip(*r["metrics"].values())],
+                                            "entropy", last)}
 
     swept = {(r["method"], r["seed"]): r for r in lab_results(runs_root, f"test-p{prompts}")
              if r["settings"]["prompts"] == prompts}
@@ -156,7 +159,7 @@ def control_summary(runs_root, prompts, reference="pacs"):
     runs.sort(key=lambda e: (e["method"], e["seed"]))
     entries = runs + [passk(r, m) for (m, _), r in swept.items()]
     per_mini_batch = prompts // next(iter(swept.values()))["settings"]["num_mini_batches"] if swept else None
-    metrics = [m for m in (f"pass@{k}" for k in RARE_KS) if any(m in e for e in runs)]
+    metrics = [m for m in (f"pass@{k}" for k in RARE_KS) if any(m in e for e in runs)] + ["final_entropy"]
     paired = [paired_entry(entries, a, b, m, per_mini_batch) for a, b in dict.fromkeys(pairs) for m in metrics]
     return {"runs": runs, "paired": [p for p in paired if p["seeds"]]}
 

@@ -517,7 +517,8 @@ def check_summary_schema(summary):
     if "control" in summary:  # a method at another lr (lab_summary.control_summary)
         assert set(summary["control"]) == {"runs", "paired"}
         assert all("@lr" in r["method"] and isinstance(r["seed"], int) for r in summary["control"]["runs"])
-        assert all(p["metric"].startswith("pass@") and p["seeds"] >= 1 for p in summary["control"]["paired"])
+        assert all(p["metric"] in ("pass@1", "pass@16", "pass@64", "pass@256", "final_entropy") and p["seeds"] >= 1
+                   for p in summary["control"]["paired"])
     for method, c in summary.get("calibration", {}).items():
         assert set(c) == {"edges", "n", "sigma", "right"} and len(c["edges"]) == len(c["n"]) + 1
         assert all(0 <= r <= n for r, n in zip(c["right"], c["n"]))
@@ -618,10 +619,13 @@ def test_a_control_at_another_lr_is_paired_with_pacs_and_with_its_own_method(tmp
     control = summary["control"]
     assert [(r["method"], r["seed"]) for r in control["runs"]] == [("grpo@lr2e-05", 0), ("grpo@lr2e-05", 1)]
     assert len(summary["runs"]) == 6  # the sweep's runs stay the sweep's
-    pairs = {(p["a"], p["b"]): p for p in control["paired"]}
-    assert set(pairs) == {("pacs", "grpo@lr2e-05"), ("grpo@lr2e-05", "grpo")}
-    assert pairs["pacs", "grpo@lr2e-05"]["seeds"] == 2 and pairs["pacs", "grpo@lr2e-05"]["mean"] == pytest.approx(0.1)
-    assert pairs["grpo@lr2e-05", "grpo"]["mean"] == pytest.approx(0.0)  # the fake eval does not read the lr
+    pairs = {(p["a"], p["b"], p["metric"]): p for p in control["paired"]}
+    assert set(pairs) == {(a, b, m) for a, b in (("pacs", "grpo@lr2e-05"), ("grpo@lr2e-05", "grpo"))
+                          for m in ("pass@1", "final_entropy")}  # n = 4: no pass@16 and up
+    assert pairs["pacs", "grpo@lr2e-05", "pass@1"]["seeds"] == 2
+    assert pairs["pacs", "grpo@lr2e-05", "pass@1"]["mean"] == pytest.approx(0.1)
+    assert pairs["grpo@lr2e-05", "grpo", "pass@1"]["mean"] == pytest.approx(0.0)  # the fake eval does not read the lr
+    assert control["runs"][0]["final_entropy"] == pytest.approx(1.0 - 0.01 * 2.5)  # the mean of steps 2 and 3
     trend.main(_argv(tmp_path / "control2", "--methods", "grpo", "--seeds", "2", "--steps", "2", "--lr", "2e-5",
                      "--prompts", "8", "--results", str(runs / "control-p8-lr2e-05")))
     with pytest.raises(sweep.SweepError, match="control run grpo-s2 differs from the sweep's in steps"):
