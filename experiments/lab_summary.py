@@ -29,6 +29,11 @@ def lab_results(runs_root, prefix):
                     yield read_result(os.path.join(runs_root, d, fname))
 
 
+def step_rows(result):
+    """A result file's per-step metrics ({metric: [value per step]}) as one {metric: value} row per step."""
+    return [dict(zip(result["metrics"], vals)) for vals in zip(*result["metrics"].values())]
+
+
 def lab_summary(runs_root, prompts=32, last=10):
     """docs/lab/summary.json's content from the result files under runs_root: settings (the schedule, each method's
     lr and pacs.py flags, the seeds), runs (every method at `prompts` prompts per step: pass@1, pass@64, the final
@@ -49,7 +54,7 @@ def lab_summary(runs_root, prompts=32, last=10):
             raise SweepError(f"{r['method']}-s{r['seed']} differs from the other runs in {', '.join(diff)}")
 
     def entry(r):
-        rows = [dict(zip(r["metrics"], vals)) for vals in zip(*r["metrics"].values())]
+        rows = step_rows(r)
         passk = next(iter(r["eval"].values()))
         auc = pooled_auc(rows)
         large_k = {f"pass@{k}": passk[str(k)] for k in (16, 256)} if "256" in passk else {}  # the second lab's k
@@ -131,36 +136,30 @@ def rare_summary(problems_dir, swept, threshold=1):
             "base_seeds": sorted(b["seed"] for b in fresh), "runs": runs, "paired": [p for p in paired if p["seeds"]]}
 
 
-def control_summary(runs_root, prompts, last=10, reference="pacs"):
+def control_summary(runs_root, summary, last=10, reference="pacs"):
     """summary.json's "control": runs of a method at an lr other than the one its scan chose (result dirs
     runs_root/control-p<prompts>-lr<lr>/, written by trend.py with --lr and that --results), named "<method>@lr<lr>",
-    each paired by seed with the sweep's `reference` runs and with the same method's sweep runs, at k in RARE_KS
-    and in the final entropy (the mean of the last `last` steps): whether a margin over a method is the method or
-    the lr it ran at. None without such a directory."""
-    def passk(r, name):
-        at = next(iter(r["eval"].values()))
-        return {"method": name, "seed": r["seed"], **{f"pass@{k}": at[str(k)] for k in RARE_KS if str(k) in at},
-                "final_entropy": final_mean([dict(zip(r["metrics"], v)) for v in zip(*r["metrics"].values())],
-                                            "entropy", last)}
-
-    swept = {(r["method"], r["seed"]): r for r in lab_results(runs_root, f"test-p{prompts}")
-             if r["settings"]["prompts"] == prompts}
+    each paired by seed with the sweep's `reference` runs and with the same method's sweep runs (`summary`, from
+    lab_summary with the same `last`), at k in RARE_KS and in the final entropy (the mean of the last `last` steps):
+    whether a margin over a method is the method or the lr it ran at. None without such a directory."""
+    settings = summary["settings"]
     runs, pairs = [], []
-    for r in lab_results(runs_root, f"control-p{prompts}-lr"):
-        ref = swept.get((reference, r["seed"]))
-        differ = [k for k in SUMMARY_SETTINGS if ref and r["settings"].get(k) != ref["settings"].get(k)]
+    for r in lab_results(runs_root, f"control-p{settings['prompts']}-lr"):
+        differ = [k for k in SUMMARY_SETTINGS if r["settings"].get(k) != settings.get(k)]
         if differ:
             raise SweepError(f"control run {r['method']}-s{r['seed']} differs from the sweep's in {', '.join(differ)}")
         name = f"{r['method']}@lr{r['settings']['lr']:g}"
-        runs.append(passk(r, name))
+        at = next(iter(r["eval"].values()))
+        runs.append({"method": name, "seed": r["seed"], **{f"pass@{k}": at[str(k)] for k in RARE_KS if str(k) in at},
+                     "final_entropy": final_mean(step_rows(r), "entropy", last)})
         pairs += [(reference, name), (name, r["method"])]
     if not runs:
         return None
     runs.sort(key=lambda e: (e["method"], e["seed"]))
-    entries = runs + [passk(r, m) for (m, _), r in swept.items()]
-    per_mini_batch = prompts // next(iter(swept.values()))["settings"]["num_mini_batches"] if swept else None
+    per_mini_batch = settings["prompts"] // settings["num_mini_batches"]
     metrics = [m for m in (f"pass@{k}" for k in RARE_KS) if any(m in e for e in runs)] + ["final_entropy"]
-    paired = [paired_entry(entries, a, b, m, per_mini_batch) for a, b in dict.fromkeys(pairs) for m in metrics]
+    paired = [paired_entry(runs + summary["runs"], a, b, m, per_mini_batch) for a, b in dict.fromkeys(pairs)
+              for m in metrics]
     return {"runs": runs, "paired": [p for p in paired if p["seeds"]]}
 
 

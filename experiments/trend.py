@@ -274,7 +274,7 @@ def main(argv=None):
                 args.results)), args.prompts // args.num_mini_batches)
             if rare:  # pass@k on the problems the base model rarely solved (lab_problems.py's counts)
                 summary["rare"] = rare
-            control = control_summary(os.path.dirname(args.results), args.prompts, args.last)
+            control = control_summary(os.path.dirname(args.results), summary, args.last)
             if control:  # a method at another lr than its choice, against PACS and against itself (control-p*-lr*/)
                 summary["control"] = control
             with open(args.summary_json, "w") as f:

@@ -629,7 +629,7 @@ def test_a_control_at_another_lr_is_paired_with_pacs_and_with_its_own_method(tmp
     trend.main(_argv(tmp_path / "control2", "--methods", "grpo", "--seeds", "2", "--steps", "2", "--lr", "2e-5",
                      "--prompts", "8", "--results", str(runs / "control-p8-lr2e-05")))
     with pytest.raises(sweep.SweepError, match="control run grpo-s2 differs from the sweep's in steps"):
-        lab_summary.control_summary(str(runs), 8)
+        lab_summary.control_summary(str(runs), lab_summary.lab_summary(str(runs), prompts=8, last=2), last=2)
 
 
 @pytest.mark.parametrize("tag, eval_n", [("lab", 64), ("lab2", 256)])
