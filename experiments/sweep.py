@@ -27,6 +27,12 @@ METHODS = {
     "pacs-est-grpo": ["--algo", "pacs", "--beta", "1.0", "--estimator", "grpo", "--balance"],  # psi: (r - mean) / std
     "pacs-est-drgrpo": ["--algo", "pacs", "--beta", "1.0", "--estimator", "drgrpo", "--balance"],  # psi: r - mean
     "pacs-no-balance": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--no-balance"],
+    # what the critic does (experiments/critic_controls.py): sigma(psi), detached, permuted in each group in its place;
+    # within each class (the ranking kept, each response's tie to its own move broken), or regardless of R (neither)
+    "pacs-critic-class-shuffled": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance",
+                                   "--critic-control", "class-shuffled"],
+    "pacs-critic-group-shuffled": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance",
+                                   "--critic-control", "group-shuffled"],
     "grpo": ["--algo", "grpo"],  # the paper's: seq-mean-token-sum-norm, dual clip 3, grad clip 1.0 (pacs.py's defaults)
     "grpo-token-mean": ["--algo", "grpo", "--loss-agg", "token-mean", "--clip-c", "0", "--max-grad-norm", "0"],
     "ppo": ["--algo", "ppo"],  # the paper's: a value model, GAE (gamma = lam = 1), critic lr 1e-5
@@ -39,7 +45,8 @@ PASSK_FIGURE_METHODS = ["pacs", "grpo", "ppo"]  # the paper's pass@k figure: bas
 CLAIMS = [("pacs", "pacs-critic-off"), ("pacs", "grpo"), ("pacs", "ppo"), ("pacs", "reinforce")]
 # runs whose metrics.jsonl scores a critic (critic_auc, ...): summary.md's critics table has each; lab_critic.png
 # the first three (PACS's critic at other betas: lab_beta.png)
-CRITIC_METHODS = ["pacs", "pacs-critic-off", "ppo", "pacs-beta0.5", "pacs-beta2", "pacs-beta4"]
+CRITIC_METHODS = ["pacs", "pacs-critic-off", "ppo", "pacs-beta0.5", "pacs-beta2", "pacs-beta4",
+                  "pacs-critic-class-shuffled", "pacs-critic-group-shuffled"]
 # settings that define a sweep's runs and evals: a rerun into the same --out must match them
 SWEEP_KEYS = ("model", "dataset", "data_dir", "prompts", "group_size", "num_mini_batches", "max_new_tokens",
               "lr", "method_lr", "critic_lr_ratio", "pacs_args", "eval_datasets", "eval_problems", "eval_n",
@@ -75,9 +82,15 @@ def trained_steps(path):
     return 0 if ckpt is None else int(ckpt.rsplit("-", 1)[1]) + 1
 
 
+def train_script(method):
+    """pacs.py, or for a critic control (a --critic-control flag) experiments/critic_controls.py: pacs.py with
+    sigma(psi) permuted in its gradient, every other flag pacs.py's."""
+    return os.path.join("experiments", "critic_controls.py") if "--critic-control" in METHODS[method] else "pacs.py"
+
+
 def train_command(args, method, seed):
     data = ["--data-dir", args.data_dir] if args.data_dir else []
-    return [sys.executable, "pacs.py", "--model", args.model, "--dataset", args.dataset, *data,
+    return [sys.executable, train_script(method), "--model", args.model, "--dataset", args.dataset, *data,
             "--steps", str(args.steps), "--prompts-per-step", str(args.prompts), "--group-size", str(args.group_size),
             "--num-mini-batches", str(args.num_mini_batches), "--max-new-tokens", str(args.max_new_tokens),
             "--lr", str(method_lr(args, method)), "--eval-every", "0", "--save-every", str(args.save_every),

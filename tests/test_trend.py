@@ -309,9 +309,19 @@ def test_every_methods_command_is_a_valid_pacs_config(tmp_path):
     trend.check_args(args)
     want = {"pacs": ("pacs", 1.0, "rloo", True), "pacs-beta2": ("pacs", 2.0, "rloo", True),
             "pacs-est-grpo": ("pacs", 1.0, "grpo", True), "pacs-est-drgrpo": ("pacs", 1.0, "drgrpo", True),
-            "pacs-no-balance": ("pacs", 1.0, "rloo", False), "pacs-critic-off": ("pacs", 1.0, "rloo", True)}
+            "pacs-no-balance": ("pacs", 1.0, "rloo", False), "pacs-critic-off": ("pacs", 1.0, "rloo", True),
+            "pacs-critic-class-shuffled": ("pacs", 1.0, "rloo", True),
+            "pacs-critic-group-shuffled": ("pacs", 1.0, "rloo", True)}
     for method in sweep.METHODS:
-        cfg = pacs.parse_args(sweep.train_command(args, method, 3)[2:])
+        cmd = sweep.train_command(args, method, 3)
+        if "--critic-control" in cmd:  # a critic control: pacs.py's flags and one more, run by critic_controls.py
+            assert cmd[1] == os.path.join("experiments", "critic_controls.py")
+            i = cmd.index("--critic-control")
+            assert cmd[i + 1] == method.removeprefix("pacs-critic-")
+            cmd = cmd[:i] + cmd[i + 2:]
+        else:
+            assert cmd[1] == "pacs.py"
+        cfg = pacs.parse_args(cmd[2:])
         pacs.check_config(cfg)
         assert (cfg.seed, cfg.num_mini_batches, cfg.prompts_per_step, cfg.micro_batch_size) == (3, 4, 4, 8)
         assert cfg.resume and cfg.out_dir == os.path.join(str(tmp_path), f"{method}-s3")
