@@ -52,6 +52,36 @@ SPLITS = ("test", "val", "train", "sft")  # filled in this order from one stream
 SHIPPED = os.path.join(ROOT, "docs", "lab", "base")
 
 
+def shipped_bases(tag_dir):
+    """A lab's shipped bases, docs/<tag>/base first, then docs/<tag>/bases/seed<N> in seed order: the same recipe
+    (lab.py with the first base's settings) at other seeds, each a model, lab.json and sft_log.jsonl as the first."""
+    more = os.path.join(tag_dir, "bases")
+    seeds = sorted((int(d[4:]) for d in os.listdir(more) if d.startswith("seed") and d[4:].isdigit()
+                    and os.path.isfile(os.path.join(more, d, "lab.json"))) if os.path.isdir(more) else [])
+    return [os.path.join(tag_dir, "base")] + [os.path.join(more, f"seed{s}") for s in seeds]
+
+
+def results_root(lab_dir):
+    """Where a lab's result files live: docs/<tag>/results/ for a lab's first base (docs/<tag>/base), <lab_dir>/results/
+    for any other (docs/<tag>/bases/seed<N>, or a lab built elsewhere)."""
+    lab_dir = os.path.abspath(lab_dir)
+    if os.path.basename(lab_dir) == "base":
+        return os.path.join(os.path.dirname(lab_dir), "results")
+    return os.path.join(lab_dir, "results")
+
+
+def run_tag(lab_dir):
+    """The name of a lab's run dirs, experiments/out_<tag>/: <tag> for docs/<tag>/base, <tag>-seed<N> for
+    docs/<tag>/bases/seed<N> (two labs' seed<N> bases apart), the directory's name for a lab built elsewhere."""
+    lab_dir = os.path.abspath(lab_dir)
+    parent = os.path.dirname(lab_dir)
+    if os.path.basename(lab_dir) == "base":
+        return os.path.basename(parent)
+    if os.path.basename(parent) == "bases":
+        return f"{os.path.basename(os.path.dirname(parent))}-{os.path.basename(lab_dir)}"
+    return os.path.basename(lab_dir)
+
+
 class LabError(Exception):
     """A user-facing problem with the flags or the --out dir: printed as one line."""
 

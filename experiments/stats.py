@@ -122,3 +122,34 @@ def pooled_auc(rows):
     pairs = sum(r.get("critic_pairs") or 0 for r in rows)
     won = sum(r["critic_auc"] * r["critic_pairs"] for r in rows if r.get("critic_pairs"))
     return won / pairs if pairs else math.nan
+
+
+def over_bases(diffs_by_base, level=0.95):
+    """A paired difference's mean over the population of bases a recipe builds, from each base's per-seed paired
+    differences ({base: [d per seed]}, unbalanced allowed): a linear mixed model d = mu + b_base + e, b ~ N(0, s_b^2)
+    the base's random intercept, e ~ N(0, s_w^2) the seed's (statsmodels MixedLM, REML). Returns mu, its standard
+    error, the interval mu +- t_{K-1} se (the K bases are the units: K - 1 degrees of freedom, as the t-interval over
+    base means has, which it equals in a balanced design), the between- and within-base standard deviations s_b and
+    s_w, and whether s_b sits on its boundary 0. Fewer than 2 bases: nan."""
+    import warnings
+    from statsmodels.regression.mixed_linear_model import MixedLM
+    from statsmodels.tools.sm_exceptions import ConvergenceWarning
+    bases = [b for b in diffs_by_base if len(diffs_by_base[b])]
+    K = len(bases)
+    nan = {"mean": math.nan, "se": math.nan, "ci": [math.nan, math.nan], "between_sd": math.nan,
+           "within_sd": math.nan, "bases": K, "df": max(K - 1, 0), "boundary": None}
+    if K < 2:
+        return nan
+    y = np.concatenate([np.asarray(diffs_by_base[b], dtype=float) for b in bases])  # (N,)
+    groups = np.concatenate([[i] * len(diffs_by_base[b]) for i, b in enumerate(bases)])  # (N,)
+    if len(y) == K:  # one seed per base: no within-base spread to separate from the between-base one
+        return {**nan, "mean": float(y.mean())}
+    with warnings.catch_warnings():  # a between-base variance at 0 is a result here (reported), not a failure
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        fit = MixedLM(y, np.ones((len(y), 1)), groups).fit(reml=True)
+    mu, se = float(fit.fe_params[0]), float(fit.bse_fe[0])
+    half = stats.t.ppf((1 + level) / 2, K - 1) * se
+    between = float(fit.cov_re[0, 0]) if np.ndim(fit.cov_re) else float(fit.cov_re)
+    return {"mean": mu, "se": se, "ci": [float(mu - half), float(mu + half)], "between_sd": math.sqrt(max(between, 0.0)),
+            "within_sd": math.sqrt(float(fit.scale)), "bases": K, "df": K - 1,
+            "boundary": bool(between <= 1e-10 * max(float(fit.scale), 1e-300))}

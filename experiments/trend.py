@@ -196,7 +196,8 @@ def lab_defaults(first, argv):
     """Defaults of a --lab sweep: LAB_PRESET (with the lab's own response length and eval samples from its lab.json),
     the lab's model and splits, and an --out and --results named by the split and the prompts per step (and the lr
     on the validation split: one directory per scanned lr). A shipped lab, docs/<tag>/base, keeps its result files
-    in docs/<tag>/results/ and its run dirs in experiments/out_<tag>/; a lab built elsewhere, in its own results/."""
+    in docs/<tag>/results/ and its run dirs in experiments/out_<tag>/; its other bases (docs/<tag>/bases/seed<N>)
+    and a lab built elsewhere, in their own results/ (lab.results_root, lab.run_tag)."""
     given = any(a == "--prompts" or a.startswith("--prompts=") for a in (sys.argv[1:] if argv is None else argv))
     prompts = first.prompts if given else LAB_PRESET["prompts"]
     name = f"{first.split}-p{prompts}" + (f"-lr{first.lr:g}" if first.split == "val" else "")
@@ -209,10 +210,7 @@ def lab_defaults(first, argv):
             sys.exit(f"trend.py: error: {e}")
         with open(os.path.join(lab_dir, "lab.json")) as f:
             built = json.load(f).get("settings", {})
-    shipped = os.path.basename(lab_dir) == "base"
-    tag = os.path.basename(os.path.dirname(lab_dir)) if shipped else os.path.basename(lab_dir)
-    results = (os.path.join(os.path.dirname(lab_dir), "results", name) if shipped
-               else os.path.join(lab_dir, "results", name))
+    tag, results = lab.run_tag(lab_dir), os.path.join(lab.results_root(lab_dir), name)
     # one forward per mini-batch up to 64 rows (8 prompts x 8); 1 prompt per mini-batch: 8 rows
     rows = prompts // first.num_mini_batches * first.group_size
     micro = max([m for m in (64, 32, 16, 8) if rows % m == 0] or [first.group_size])

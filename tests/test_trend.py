@@ -446,6 +446,11 @@ def test_lab_preset_fills_the_flags_left_unset(tmp_path):
     assert (second.max_new_tokens, second.eval_n) == (48, 256) and (args.max_new_tokens, args.eval_n) == (32, 64)
     assert second.results == str(tmp_path / "docs" / "lab2" / "results" / "test-p32")
     assert second.out.endswith("experiments/out_lab2/test-p32")
+    # a lab's other bases (docs/<tag>/bases/seed<N>): results inside each, run dirs apart from another lab's seed<N>
+    for tag in ("lab", "lab2"):
+        seed2 = trend.parse_args(["--lab", _fake_lab(tmp_path / "docs" / tag / "bases" / "seed2")])
+        assert seed2.results == str(tmp_path / "docs" / tag / "bases" / "seed2" / "results" / "test-p32")
+        assert seed2.out == os.path.join(sweep.ROOT, "experiments", f"out_{tag}-seed2", "test-p32")
     given = trend.parse_args(["--lab", lab, "--prompts", "4", "--steps", "3"])
     assert (given.prompts, given.steps, given.results.endswith("results/test-p4")) == (4, 3, True)
     assert args.pacs_args == "--micro-batch-size 64 --device cpu"  # a mini-batch of 8 prompts in one forward
