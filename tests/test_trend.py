@@ -479,7 +479,8 @@ def check_summary_schema(summary):
     """The schema of docs/lab/summary.json (and a few more settings): the keys and their types. The first sweep's
     (the archive's) predates beta_axis and calibration."""
     assert {"settings", "runs", "axis", "paired", "wall_s"} <= set(summary) <= {
-        "settings", "runs", "axis", "paired", "wall_s", "beta_axis", "calibration", "base", "rare", "control"}
+        "settings", "runs", "axis", "paired", "wall_s", "beta_axis", "calibration", "base", "rare", "control",
+        "decomposition", "critic_window", "bases", "stability", "efficiency"}
     settings = summary["settings"]
     for key in ("prompts", "group_size", "num_mini_batches", "steps", "max_new_tokens", "eval_n"):
         assert isinstance(settings[key], int) and settings[key] >= 1, key
