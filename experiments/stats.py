@@ -133,7 +133,7 @@ def over_bases(diffs_by_base, level=0.95):
     s_w, and whether s_b sits on its boundary 0. Fewer than 2 bases: nan."""
     import warnings
     from statsmodels.regression.mixed_linear_model import MixedLM
-    from statsmodels.tools.sm_exceptions import ConvergenceWarning
+    from statsmodels.tools.sm_exceptions import ConvergenceWarning, SingularMatrixWarning
     bases = [b for b in diffs_by_base if len(diffs_by_base[b])]
     K = len(bases)
     nan = {"mean": math.nan, "se": math.nan, "ci": [math.nan, math.nan], "between_sd": math.nan,
@@ -144,12 +144,15 @@ def over_bases(diffs_by_base, level=0.95):
     groups = np.concatenate([[i] * len(diffs_by_base[b]) for i, b in enumerate(bases)])  # (N,)
     if len(y) == K:  # one seed per base: no within-base spread to separate from the between-base one
         return {**nan, "mean": float(y.mean())}
-    with warnings.catch_warnings():  # a between-base variance at 0 is a result here (reported), not a failure
-        warnings.simplefilter("ignore", ConvergenceWarning)
+    with warnings.catch_warnings():  # a between-base variance at 0 is a result here (reported below), not a failure
+        for category in (ConvergenceWarning, SingularMatrixWarning, RuntimeWarning):
+            warnings.simplefilter("ignore", category)
         fit = MixedLM(y, np.ones((len(y), 1)), groups).fit(reml=True)
-    mu, se = float(fit.fe_params[0]), float(fit.bse_fe[0])
+        mu, se, within = float(fit.fe_params[0]), float(fit.bse_fe[0]), float(fit.scale)  # bse: computed on access
+        between = float(np.asarray(fit.cov_re).reshape(-1)[0])
+    boundary = between <= 1e-6 * within  # s_b at 0: the bases differ no more than the seeds say they would
+    if boundary:  # the model is then the pooled mean of all N seeds, se = s_w / sqrt(N) (statsmodels' may be nan)
+        between, se = 0.0, math.sqrt(within / len(y))
     half = stats.t.ppf((1 + level) / 2, K - 1) * se
-    between = float(fit.cov_re[0, 0]) if np.ndim(fit.cov_re) else float(fit.cov_re)
     return {"mean": mu, "se": se, "ci": [float(mu - half), float(mu + half)], "between_sd": math.sqrt(max(between, 0.0)),
-            "within_sd": math.sqrt(float(fit.scale)), "bases": K, "df": K - 1,
-            "boundary": bool(between <= 1e-10 * max(float(fit.scale), 1e-300))}
+            "within_sd": math.sqrt(within), "bases": K, "df": K - 1, "boundary": bool(boundary)}

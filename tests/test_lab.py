@@ -240,8 +240,10 @@ def test_sft_loss_reads_only_the_solution_and_its_eos(splits):
 
 
 # ---- the shipped labs (docs/lab/base, and any docs/<tag>/base) --------------------------------------------
-SHIPPED_LABS = sorted(os.path.join(ROOT, "docs", d, "base") for d in os.listdir(os.path.join(ROOT, "docs"))
-                      if os.path.isfile(os.path.join(ROOT, "docs", d, "base", "lab.json")))
+# every base of every lab: docs/<tag>/base, and docs/<tag>/bases/seed<N> (experiments/bases.py), each tested alike
+SHIPPED_LABS = sorted(b for d in os.listdir(os.path.join(ROOT, "docs"))
+                      if os.path.isfile(os.path.join(ROOT, "docs", d, "base", "lab.json"))
+                      for b in lab.shipped_bases(os.path.join(ROOT, "docs", d)))
 
 
 def test_the_first_lab_is_shipped():
@@ -282,7 +284,7 @@ def test_a_shipped_labs_weights_are_the_ones_its_lab_json_names(base):
 def _result_files(base):
     """Every result file under docs/<tag>/results/; problems-*/ holds lab_problems.py's per-problem counts, which
     tests/test_lab_problems.py ties to these (each count file gives back its result file's pass@k)."""
-    root = os.path.join(os.path.dirname(base), "results")
+    root = lab.results_root(base)
     return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
                   if f.endswith(".json") and not os.path.relpath(d, root).startswith("problems-"))
 

@@ -1,0 +1,197 @@
+"""The claims over bases (experiments/bases.py): the recipe's window, the builds' bookkeeping, stats.over_bases against
+the closed form of a balanced design and by simulation, and summary.json's "bases" entry."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from scipy import stats as sstats
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import bases  # noqa: E402
+import lab  # noqa: E402
+import stats  # noqa: E402
+
+
+# ---- stats.over_bases --------------------------------------------------------------------------------------------
+def test_over_bases_in_a_balanced_design_is_the_t_interval_over_base_means():
+    """Balanced, with a between-base variance above 0: REML's mu is the grand mean and its variance MSB / (n K), so
+    the interval with K - 1 degrees of freedom is the t-interval over the K base means."""
+    rng = np.random.default_rng(0)
+    d = {f"b{i}": list(rng.normal(rng.normal(0.0, 0.03), 0.01, 4)) for i in range(5)}
+    fit = stats.over_bases(d)
+    mean, lo, hi = stats.t_interval([np.mean(v) for v in d.values()])
+    assert fit["boundary"] is False and fit["df"] == 4 and fit["bases"] == 5
+    assert fit["mean"] == pytest.approx(mean, rel=1e-9)
+    assert fit["se"] == pytest.approx(np.std([np.mean(v) for v in d.values()], ddof=1) / np.sqrt(5), rel=1e-5)
+    assert fit["ci"] == pytest.approx([lo, hi], rel=1e-5)
+    # the variance components: within from the pooled seeds' spread, between from the base means' spread beyond it
+    within = np.mean([np.var(v, ddof=1) for v in d.values()])
+    assert fit["within_sd"] ** 2 == pytest.approx(within, rel=1e-4)
+    assert fit["between_sd"] ** 2 == pytest.approx(np.var([np.mean(v) for v in d.values()], ddof=1) - within / 4,
+                                                   rel=1e-3)
+
+
+def test_over_bases_with_no_base_effect_sits_on_the_boundary():
+    d = {"a": [0.01, -0.01, 0.02, 0.0], "b": [0.01, -0.01, 0.02, 0.0], "c": [0.0, 0.01, -0.01, 0.02]}
+    fit = stats.over_bases(d)
+    assert fit["boundary"] is True and fit["between_sd"] == pytest.approx(0.0, abs=1e-6)
+    assert fit["mean"] == pytest.approx(np.mean(sum(d.values(), [])), abs=1e-9)
+
+
+def test_over_bases_needs_two_bases_and_a_spread_within_them():
+    assert np.isnan(stats.over_bases({"a": [0.1, 0.2]})["mean"])
+    one_each = stats.over_bases({"a": [0.1], "b": [0.3]})
+    assert one_each["mean"] == pytest.approx(0.2) and np.isnan(one_each["se"])
+
+
+def test_over_bases_covers_the_population_mean_in_an_unbalanced_design():
+    """16 seeds on one base, 2 on four others, a base effect as large as the seeds': the interval over bases holds
+    the true mean about 95 times in 100 (REML, K - 1 degrees of freedom); the pooled t-interval over all seeds, which
+    treats the bases as one, holds it far less often."""
+    rng = np.random.default_rng(1)
+    hits, naive, n = 0, 0, 200
+    for _ in range(n):
+        d = {b: list(rng.normal(rng.normal(0.0, 0.02), 0.02, k)) for b, k in zip("abcde", (16, 2, 2, 2, 2))}
+        lo, hi = stats.over_bases(d)["ci"]
+        hits += lo <= 0.0 <= hi
+        _, nlo, nhi = stats.t_interval(sum(d.values(), []))
+        naive += nlo <= 0.0 <= nhi
+    assert hits / n >= 0.9 and naive / n < 0.85
+    assert sstats.binomtest(hits, n, 0.95).pvalue > 0.001 or hits / n > 0.95  # not below 95% beyond chance
+
+
+# ---- the recipe and its window -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("tag", ["lab", "lab2"])
+def test_the_recipe_is_the_first_bases_settings_and_it_lands_in_its_window(tag):
+    flags, settings, defaults = bases.recipe(tag)
+    assert "--out" not in flags and "--seed" not in flags
+    parsed = vars(lab.parse_args(["--out", "x", "--seed", "3", *flags]))
+    for key, value in settings.items():
+        if key not in ("out", "seed"):
+            assert parsed[key] == value, key
+    built = json.load(open(os.path.join(ROOT, "docs", tag, "base", "lab.json")))
+    assert bases.in_window(tag, built, settings, defaults)
+    low = {**built, "test_pass@k": {**built["test_pass@k"], "1": 0.01}}
+    assert not bases.in_window(tag, low, settings, defaults)
+    if tag == "lab2":  # the second lab's rule beyond the two ranges: a quarter of its problems rarely solved
+        assert not bases.in_window(tag, {**built, "test_rare_share": 0.2}, settings, defaults)
+
+
+def _fake_lab_py(results):
+    """Stands in for lab.py in subprocess.run: writes the out dir a build leaves, with the pass@1 `results` gives."""
+    calls = []
+
+    def run(cmd, check, cwd):
+        out, seed = cmd[cmd.index("--out") + 1], int(cmd[cmd.index("--seed") + 1])
+        calls.append(seed)
+        os.makedirs(os.path.join(out, "model"))
+        open(os.path.join(out, "model", "model.safetensors"), "w").write(f"weights {seed}")
+        open(os.path.join(out, "sft_log.jsonl"), "w").write("{}\n")
+        p1 = results[seed]
+        json.dump({"settings": {"seed": seed}, "weights_sha256": f"{seed:064d}", "splits_sha256": "0" * 64,
+                   "sft_steps": 400, "wall_s": 50.0, "test_pass@k": {"1": p1, "64": 0.9}}, open(
+            os.path.join(out, "lab.json"), "w"))
+    return run, calls
+
+
+def test_build_ships_the_seeds_in_the_window_and_keeps_every_try(tmp_path, monkeypatch):
+    docs = tmp_path / "docs" / "lab"
+    (docs / "base").mkdir(parents=True)
+    (docs / "base" / "lab.json").write_text(json.dumps({"settings": {"seed": 0, "eval_n": 64}}))
+    monkeypatch.setattr(bases, "ROOT", str(tmp_path))
+    run, calls = _fake_lab_py({1: 0.2, 2: 0.6, 3: 0.3, 4: 0.1, 5: 0.25})  # 2 and 4 outside [0.15, 0.5]
+    monkeypatch.setattr(bases.subprocess, "run", run)
+    builds = bases.build("lab", bases=3)
+    assert calls == [1, 2, 3, 4, 5]
+    assert [(b["seed"], b["in_window"]) for b in builds] == [(1, True), (2, False), (3, True), (4, False), (5, True)]
+    assert sorted(os.listdir(docs / "bases")) == ["builds.json", "seed1", "seed3", "seed5"]
+    assert sorted(os.listdir(docs / "bases" / "seed3")) == ["lab.json", "model", "sft_log.jsonl"]
+    assert [os.path.relpath(b, docs) for b in lab.shipped_bases(str(docs))] == ["base", "bases/seed1",
+                                                                               "bases/seed3", "bases/seed5"]
+    recorded = json.load(open(docs / "bases" / "builds.json"))
+    assert recorded["recipe"][:6] == ["python", "experiments/lab.py", "--out", "<dir>", "--seed", "<N>"]
+    assert bases.build("lab", bases=3) == recorded["builds"] and calls == [1, 2, 3, 4, 5]  # resumed: nothing rebuilt
+    with pytest.raises(bases.SweepError, match="only 3 of 5 seeds landed in the window"):
+        bases.build("lab", bases=4, max_tries=5)
+
+
+# ---- summary.json's "bases" --------------------------------------------------------------------------------------
+def _runs(diffs_by_claim, seeds, offset=0.0):
+    """Summary run entries whose PACS - X differences per seed are diffs_by_claim[X] + offset."""
+    runs = []
+    for s in seeds:
+        runs.append({"method": "pacs", "seed": s, "pass@1": 0.5, "pass@64": 0.9, "final_entropy": 0.1})
+        for m, d in diffs_by_claim.items():
+            runs.append({"method": m, "seed": s, "pass@1": 0.5 - d[s] - offset, "pass@64": 0.9 - d[s] / 2,
+                         "final_entropy": 0.1 + d[s] / 10})
+    return runs
+
+
+def test_bases_summary_pairs_each_base_and_fits_over_them(tmp_path, monkeypatch):
+    rng = np.random.default_rng(2)
+    claims = {m: {s: float(x) for s, x in enumerate(rng.normal(0.02, 0.01, 16))} for m in
+              ("grpo", "ppo", "pacs-critic-off")}
+    tag = tmp_path / "lab"
+    for name, seed in (("base", 0), ("bases/seed1", 1), ("bases/seed2", 2)):
+        (tag / name).mkdir(parents=True)
+        (tag / name / "lab.json").write_text(json.dumps({"settings": {"seed": seed, "eval_n": 64},
+                                                         "weights_sha256": f"{seed:064d}",
+                                                         "test_pass@k": {"1": 0.25, "64": 0.97}}))
+    (tag / "bases" / "seed1" / "results" / "test-p32").mkdir(parents=True)
+    (tag / "bases" / "seed2" / "results" / "test-p32").mkdir(parents=True)
+    offsets = {"seed1": -0.05, "seed2": 0.01}  # seed1: every claim flips sign at pass@1
+    monkeypatch.setattr(bases, "lab_summary", lambda results, prompts, last: {"runs": _runs(
+        claims, [0, 1], offsets[os.path.basename(os.path.dirname(results))])})
+    summary = {"runs": _runs(claims, range(16))}
+    out = bases.bases_summary(str(tag), summary)
+    check_bases_schema(out)
+    assert [b["base"] for b in out["bases"]] == ["base", "bases/seed1", "bases/seed2"]
+    assert out["bases"][1]["seeds"]["pacs"] == [0, 1] and out["bases"][0]["seeds"]["grpo"] == list(range(16))
+    (c,) = [c for c in out["claims"] if (c["b"], c["metric"]) == ("ppo", "pass@1")]
+    assert [p["seeds"] for p in c["per_base"]] == [16, 2, 2]
+    assert c["per_base"][1]["mean"] == pytest.approx(np.mean([claims["ppo"][s] for s in (0, 1)]) - 0.05, abs=1e-5)
+    assert c["holds_on"] == 2 and c["of"] == 3  # the first base and seed2 above 0, seed1 below
+    fit = stats.over_bases({p["base"]: p["diffs"] for p in c["per_base"]})
+    assert c["over_bases"]["mean"] == pytest.approx(fit["mean"], abs=1e-5)
+    assert c["t_over_base_means"]["mean"] == pytest.approx(np.mean([p["mean"] for p in c["per_base"]]), abs=1e-5)
+    (e,) = [c for c in out["claims"] if (c["b"], c["metric"]) == ("ppo", "final_entropy")]
+    assert e["per_base"][0]["mean"] < 0 and e["holds_on"] == 3  # PACS's entropy below PPO's on every base
+    only = tmp_path / "only"  # a lab with no other base's runs: no entry
+    (only / "base").mkdir(parents=True)
+    (only / "base" / "lab.json").write_text((tag / "base" / "lab.json").read_text())
+    assert bases.bases_summary(str(only), summary) is None
+
+
+def check_bases_schema(entry):
+    assert set(entry) == {"methods", "large_k", "bases", "claims"} and entry["large_k"] in ("pass@64", "pass@256")
+    assert entry["bases"][0]["base"] == "base" and len(entry["bases"]) >= 2
+    for b in entry["bases"]:
+        assert {"base", "seed", "weights_sha256", "base_pass@1", "seeds"} <= set(b) and len(b["weights_sha256"]) == 64
+        assert set(b["seeds"]) == set(entry["methods"])
+    assert len({b["weights_sha256"] for b in entry["bases"]}) == len(entry["bases"])  # each base another model
+    for c in entry["claims"]:
+        assert c["a"] == "pacs" and c["metric"] in ("pass@1", entry["large_k"], "final_entropy")
+        assert set(c) == {"a", "b", "metric", "per_base", "over_bases", "t_over_base_means", "holds_on", "of"}
+        assert 0 <= c["holds_on"] <= c["of"] == len(c["per_base"])
+        for p in c["per_base"]:
+            assert p["seeds"] == len(p["diffs"]) >= 1
+            assert p["mean"] == pytest.approx(np.mean(p["diffs"]), abs=2e-5)
+        o = c["over_bases"]
+        assert o["df"] == c["of"] - 1
+        if o["se"] is not None:
+            assert o["ci95"][0] <= o["mean"] <= o["ci95"][1] and o["within_sd"] >= 0 and o["between_sd"] >= 0
+
+
+@pytest.mark.parametrize("tag", ["lab", "lab2"])
+def test_a_committed_summarys_bases_follow_the_schema(tag):
+    summary = json.load(open(os.path.join(ROOT, "docs", tag, "summary.json")))
+    if "bases" not in summary:
+        pytest.skip(f"docs/{tag}/summary.json has no bases entry yet (no new base's runs committed)")
+    check_bases_schema(summary["bases"])
+    shipped = [os.path.relpath(b, os.path.join(ROOT, "docs", tag)) for b in lab.shipped_bases(
+        os.path.join(ROOT, "docs", tag))]
+    assert [b["base"] for b in summary["bases"]["bases"]] == [b for b in shipped if b in
+                                                            {x["base"] for x in summary["bases"]["bases"]}]
