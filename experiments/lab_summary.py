@@ -222,3 +222,81 @@ def lab_scan(runs_root, prompts=32):
     choice = {m: max(sorted(by_lr), key=lambda lr: float(np.mean(by_lr[lr]))) for m, by_lr in table.items()}
     return {"pass@1": {m: {str(lr): v for lr, v in sorted(by_lr.items())} for m, by_lr in table.items()},
             "choice": choice}
+
+
+# ---- what the critic does: the controls' decomposition, and the critic against the prompts per mini-batch ----------
+# PACS - class-shuffled: the self-damping (each response's sigma(psi) tied to its own move); class- - group-shuffled:
+# the ranking (what psi knows of R); group-shuffled - critic-off: the values' noise; PACS - critic-off: all of it
+DECOMPOSITION = (("self-damping", "pacs", "pacs-critic-class-shuffled"),
+                 ("ranking", "pacs-critic-class-shuffled", "pacs-critic-group-shuffled"),
+                 ("values", "pacs-critic-group-shuffled", "pacs-critic-off"),
+                 ("total", "pacs", "pacs-critic-off"))
+CRITIC_KEYS = ("critic_auc", "critic_shift", "critic_adv_change")
+
+
+def critic_numbers(result, steps=None):
+    """A run's critic over its first `steps` rollout steps (all: None): the pooled AUC of sigma(psi), its mean
+    |sigma(psi) - 1/2| and the mean share of the advantage it rewrote, each None where no step logged one."""
+    rows = step_rows(result)[:steps]
+    auc = pooled_auc(rows)
+    mean = lambda key: (float(np.mean([r[key] for r in rows if r.get(key) is not None]))
+                        if any(r.get(key) is not None for r in rows) else None)
+    return {"critic_auc": None if math.isnan(auc) else auc, "critic_shift": mean("critic_shift"),
+            "critic_adv_change": mean("critic_adv_change"),
+            "critic_pairs": int(sum(r.get("critic_pairs") or 0 for r in rows))}
+
+
+def decomposition_summary(runs_root, summary, last=10):
+    """summary.json's "decomposition": PACS's margin over critic-off split by the two controls (DECOMPOSITION), each
+    part paired by seed (paired_entry) at pass@1, the lab's largest k and the final entropy; and per method the
+    critic's numbers over the whole run (critic_numbers: sigma(psi)'s own AUC, shift and rewritten share, mean and
+    95% t-interval over seeds). None without a control's runs in the sweep."""
+    methods = {r["method"] for r in summary["runs"]}
+    if not methods & {"pacs-critic-class-shuffled", "pacs-critic-group-shuffled"}:
+        return None
+    settings = summary["settings"]
+    per_mini_batch = settings["prompts"] // settings["num_mini_batches"]
+    large = "pass@256" if any("pass@256" in r for r in summary["runs"]) else "pass@64"
+    parts = [{"part": part, **paired_entry(summary["runs"], a, b, metric, per_mini_batch)}
+             for part, a, b in DECOMPOSITION for metric in ("pass@1", large, "final_entropy")]
+    critic = {}
+    for r in lab_results(runs_root, f"test-p{settings['prompts']}"):
+        if r["settings"]["prompts"] == settings["prompts"] and r["method"] in {m for _, a, b in DECOMPOSITION
+                                                                                for m in (a, b)}:
+            critic.setdefault(r["method"], []).append({"seed": r["seed"], **critic_numbers(r)})
+    clean = lambda x: None if math.isnan(x) else round(float(x), 5)
+    return {"parts": [p for p in parts if p["seeds"]],
+            "critic": {m: {"seeds": len(rows), **{k: [clean(v) for v in t_interval(
+                [row[k] for row in rows if row[k] is not None])] for k in CRITIC_KEYS}}
+                for m, rows in sorted(critic.items())}}
+
+
+def critic_window(runs_root, window=5, method="pacs"):
+    """summary.json's "critic_window": `method`'s critic at every prompts per mini-batch the lab ran (test-p*/, the
+    sweep and its axis; axis-p*/, short runs at larger mini-batches), each run read over its first `window` rollout
+    steps only (window x M optimizer steps, the same for every point; critic_numbers), with the runs' lr: per point the
+    seeds, and the mean and 95% t-interval over seeds of the AUC, the shift and the rewritten share, and the AUC pooled
+    over every run's pairs. None without an axis-p*/ directory."""
+    dirs = [d for d in (sorted(os.listdir(runs_root)) if os.path.isdir(runs_root) else []) if d.startswith("axis-p")]
+    if not dirs:
+        return None
+    points = {}
+    for r in [*lab_results(runs_root, "test-p"), *lab_results(runs_root, "axis-p")]:
+        if r["method"] != method:
+            continue
+        s = r["settings"]
+        if len(r["metrics"]["reward"]) < window:
+            raise SweepError(f"{method}-s{r['seed']} at {s['prompts']} prompts ran {len(r['metrics']['reward'])} "
+                             f"steps, fewer than the window's {window}")
+        points.setdefault((s["prompts"] // s["num_mini_batches"], s["lr"]), []).append(
+            {"seed": r["seed"], **critic_numbers(r, window)})
+    clean = lambda x: None if math.isnan(x) else round(float(x), 5)
+    out = []
+    for (ppm, lr), rows in sorted(points.items()):
+        won = sum(row["critic_auc"] * row["critic_pairs"] for row in rows if row["critic_auc"] is not None)
+        pairs = sum(row["critic_pairs"] for row in rows if row["critic_auc"] is not None)
+        out.append({"prompts_per_mini_batch": ppm, "lr": lr, "seeds": sorted(row["seed"] for row in rows),
+                    **{k: [clean(v) for v in t_interval([row[k] for row in rows if row[k] is not None])]
+                       for k in CRITIC_KEYS},
+                    "critic_auc_pooled": round(won / pairs, 5) if pairs else None, "critic_pairs": pairs})
+    return {"method": method, "window_steps": window, "points": out}

@@ -5,6 +5,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -176,3 +177,68 @@ def test_a_resume_with_another_control_is_refused(digit_model, digit_problems, t
 def test_bad_flags_are_one_line_errors(argv, message):
     with pytest.raises(SystemExit, match=message.replace("{", r"\{").replace("}", r"\}").replace("(", r"\(")):
         cc.main(argv)
+
+
+# ---- the summaries: the decomposition, and the critic over the same first rollouts at every mini-batch ----------
+import lab_summary  # noqa: E402
+
+
+def _result(path, method, seed, prompts, lr, auc, pairs, shift, change, steps=None):
+    """A result file with the per-step critic metrics given (lists, one value per step)."""
+    steps = steps or len(auc)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    json.dump({"method": method, "seed": seed, "settings": {"prompts": prompts, "num_mini_batches": 4, "lr": lr},
+               "metrics": {"reward": [0.1] * steps, "critic_auc": auc, "critic_pairs": pairs, "critic_shift": shift,
+                           "critic_adv_change": change}}, open(path, "w"))
+
+
+def test_critic_window_reads_every_run_over_the_same_first_steps(tmp_path):
+    root = tmp_path / "results"
+    assert lab_summary.critic_window(str(root)) is None  # no axis-p*/ run: no entry
+    # the sweep (8 prompts per mini-batch), 2 seeds, 3 steps; step 3 is outside a window of 2 and must not count
+    _result(root / "test-p32" / "pacs-s0.json", "pacs", 0, 32, 1e-4, [0.5, 0.7, 0.0], [10, 30, 100], [0.02, 0.04, 9],
+            [0.1, 0.3, 9])
+    _result(root / "test-p32" / "pacs-s1.json", "pacs", 1, 32, 1e-4, [0.6, None, 0.0], [20, 0, 100], [0.03, None, 9],
+            [0.2, None, 9])
+    _result(root / "test-p32" / "grpo-s0.json", "grpo", 0, 32, 1e-4, [None] * 3, [0] * 3, [None] * 3, [None] * 3)
+    _result(root / "axis-p1024" / "pacs-s0.json", "pacs", 0, 1024, 1e-4, [0.8, 0.6], [100, 100], [0.05, 0.07],
+            [0.2, 0.4])
+    w = lab_summary.critic_window(str(root), window=2)
+    assert w["window_steps"] == 2 and [p["prompts_per_mini_batch"] for p in w["points"]] == [8, 256]
+    p8, p256 = w["points"]
+    assert p8["seeds"] == [0, 1] and p8["lr"] == 1e-4
+    aucs = [(0.5 * 10 + 0.7 * 30) / 40, 0.6]  # per run, pooled over its pairs in the window
+    assert p8["critic_auc"][0] == pytest.approx(np.mean(aucs), abs=1e-5)
+    assert p8["critic_auc_pooled"] == pytest.approx((0.5 * 10 + 0.7 * 30 + 0.6 * 20) / 60, abs=1e-5)
+    assert p8["critic_pairs"] == 60
+    assert p8["critic_shift"][0] == pytest.approx(np.mean([0.03, 0.03]), abs=1e-5)  # a run's mean over logged steps
+    assert p256["critic_auc"][0] == pytest.approx(0.7) and p256["critic_adv_change"][0] == pytest.approx(0.3)
+    with pytest.raises(lab_summary.SweepError, match="ran 2 steps, fewer than the window's 3"):
+        lab_summary.critic_window(str(root), window=3)
+
+
+def test_the_decomposition_adds_up_to_pacs_minus_critic_off_seed_by_seed(tmp_path):
+    rng = np.random.default_rng(0)
+    methods = ["pacs", "pacs-critic-class-shuffled", "pacs-critic-group-shuffled", "pacs-critic-off"]
+    runs = [{"method": m, "seed": s, "pass@1": float(rng.uniform(0.4, 0.6)), "pass@64": float(rng.uniform(0.9, 1)),
+             "final_entropy": float(rng.uniform(0.08, 0.1))} for m in methods for s in range(6)]
+    summary = {"settings": {"prompts": 32, "num_mini_batches": 4}, "runs": runs}
+    root = tmp_path / "results"
+    for m in methods:
+        for s in range(6):
+            _result(root / "test-p32" / f"{m}-s{s}.json", m, s, 32, 1e-4, [0.5 + 0.01 * s], [10], [0.02 * (s + 1)],
+                    [0.1])
+    d = lab_summary.decomposition_summary(str(root), summary)
+    by = {(p["part"], p["metric"]): p for p in d["parts"]}
+    assert {p for p, _ in by} == {"self-damping", "ranking", "values", "total"}
+    for metric in ("pass@1", "pass@64", "final_entropy"):
+        parts = sum(by[(p, metric)]["mean"] for p in ("self-damping", "ranking", "values"))
+        assert parts == pytest.approx(by[("total", metric)]["mean"], abs=3e-5)
+        value = lambda m: np.mean([r[metric] for r in runs if r["method"] == m])
+        assert by[("ranking", metric)]["mean"] == pytest.approx(
+            value("pacs-critic-class-shuffled") - value("pacs-critic-group-shuffled"), abs=1e-5)
+    assert d["critic"]["pacs"]["seeds"] == 6
+    assert d["critic"]["pacs"]["critic_auc"][0] == pytest.approx(np.mean([0.5 + 0.01 * s for s in range(6)]), abs=1e-5)
+    assert d["critic"]["pacs"]["critic_shift"][0] == pytest.approx(0.07, abs=1e-5)
+    no_controls = {**summary, "runs": [r for r in runs if r["method"] in ("pacs", "pacs-critic-off")]}
+    assert lab_summary.decomposition_summary(str(root), no_controls) is None
