@@ -236,3 +236,83 @@ def plot_rare(summary, path):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save(fig, path, "Where the paper's pass@k claim lives: mean over seeds, 95% t-interval")
+
+
+PART_ORDER = ("self-damping", "ranking", "values", "total")
+
+
+def plot_critic_parts(summaries, path, metric="pass@1"):
+    """What the critic does, from the labs' summary.json files ({label: summary}): left, PACS - critic-off in `metric`
+    split into its three parts by the controls (summary["decomposition"]), lab by lab, each part's paired mean with
+    its 95% t-interval; right, the critic's AUC against prompts per mini-batch on a log axis, every point read over
+    the same first rollouts (summary["critic_window"]), mean over seeds with its 95% t-interval."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    labs = [(label, s["decomposition"]) for label, s in summaries.items() if s.get("decomposition")]
+    width = 0.8 / max(len(labs), 1)
+    for i, (label, d) in enumerate(labs):
+        by = {p["part"]: p for p in d["parts"] if p["metric"] == metric}
+        parts = [p for p in PART_ORDER if p in by]
+        xs = [PART_ORDER.index(p) + (i - (len(labs) - 1) / 2) * width for p in parts]
+        stats = [(by[p]["mean"], *by[p]["ci95_t"]) for p in parts]
+        stats = [(m, m if lo is None else lo, m if hi is None else hi) for m, lo, hi in stats]
+        seeds = min(by[p]["seeds"] for p in parts) if parts else 0
+        axes[0].bar(xs, [s[0] for s in stats], width, yerr=error_bars(stats), capsize=3,
+                    label=f"{label} (at least {seeds} seeds a part)")
+    axes[0].axhline(0.0, color="k", lw=0.8)
+    axes[0].set_xticks(range(len(PART_ORDER)), ["self-damping\npacs - class-shuf.", "ranking\nclass- - group-shuf.",
+                                                "values' noise\ngroup-shuf. - off", "total\npacs - critic-off"],
+                       fontsize=8)
+    axes[0].set(title=f"PACS - critic-off in test {metric}, part by part\n(paired by seed)")
+    axes[0].legend(fontsize=8)
+    ticks = []
+    for label, s in summaries.items():
+        w = s.get("critic_window")
+        if not w:
+            continue
+        pts = w["points"]
+        xs = [p["prompts_per_mini_batch"] for p in pts]
+        stats = [tuple(math.nan if v is None else v for v in p["critic_auc"]) for p in pts]
+        axes[1].errorbar(xs, [st[0] for st in stats], yerr=error_bars(stats), marker="o", capsize=3,
+                         label=f"{label}: first {w['window_steps']} rollouts")
+        for p, st in zip(pts, stats):
+            axes[1].annotate(f"n={len(p['seeds'])}" + (f"\nlr {p['lr']:g}" if p["lr"] != pts[-1]["lr"] else ""),
+                             (p["prompts_per_mini_batch"], st[0]), textcoords="offset points", xytext=(4, -14),
+                             fontsize=7)
+        ticks = sorted(set(ticks) | set(xs))
+    axes[1].axhline(0.5, color="k", lw=0.8, ls="--")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_xticks(ticks, [str(x) for x in ticks])
+    axes[1].minorticks_off()
+    axes[1].set(title="sigma(psi)'s AUC on mini-batches 1..M-1\n(the paper's runs: 256 prompts per mini-batch)",
+                xlabel="prompts per mini-batch")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    return save(fig, path, "What the implicit critic does: the controls' decomposition, and its ranking against the "
+                           "mini-batch; 95% t-intervals")
+
+
+def main(argv=None):
+    """python experiments/figures.py critic docs/lab/summary.json docs/lab2/summary.json --out docs/critic_parts.png"""
+    import argparse
+    import json
+    p = argparse.ArgumentParser(description="figures from the labs' summary.json files")
+    p.add_argument("what", choices=["critic"], help="critic: the controls' decomposition and the AUC's axis")
+    p.add_argument("summaries", nargs="+", help="summary.json files, docs/<tag>/summary.json (labelled by <tag>)")
+    p.add_argument("--out", required=True, help="the figure's path (.png)")
+    args = p.parse_args(argv)
+    summaries = {}
+    for path in args.summaries:
+        try:
+            with open(path) as f:
+                summaries[os.path.basename(os.path.dirname(os.path.abspath(path)))] = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"figures.py: error: {path}: {e}")
+    if not any(s.get("decomposition") or s.get("critic_window") for s in summaries.values()):
+        raise SystemExit("figures.py: error: no summary has a decomposition or a critic_window entry")
+    print(f"figure: {plot_critic_parts(summaries, args.out)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -242,3 +242,23 @@ def test_the_decomposition_adds_up_to_pacs_minus_critic_off_seed_by_seed(tmp_pat
     assert d["critic"]["pacs"]["critic_shift"][0] == pytest.approx(0.07, abs=1e-5)
     no_controls = {**summary, "runs": [r for r in runs if r["method"] in ("pacs", "pacs-critic-off")]}
     assert lab_summary.decomposition_summary(str(root), no_controls) is None
+
+
+def test_the_critic_figure_is_written_from_summaries_and_refuses_ones_without_its_entries(tmp_path, capsys):
+    import figures
+    parts = [{"part": p, "metric": "pass@1", "mean": 0.01 * i, "ci95_t": [0.01 * i - 0.005, 0.01 * i + 0.005],
+              "seeds": 16} for i, p in enumerate(figures.PART_ORDER)]
+    window = {"window_steps": 5, "points": [
+        {"prompts_per_mini_batch": ppm, "lr": 1e-4, "seeds": [0, 1, 2, 3], "critic_auc": [auc, auc - 0.01, auc + 0.01]}
+        for ppm, auc in ((1, 0.5), (8, 0.52), (256, 0.6))]}
+    for tag, entry in (("lab", {"decomposition": {"parts": parts}, "critic_window": window}),
+                       ("lab2", {"decomposition": {"parts": parts}})):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / "summary.json").write_text(json.dumps(entry))
+    out = tmp_path / "critic.png"
+    figures.main(["critic", str(tmp_path / "lab" / "summary.json"), str(tmp_path / "lab2" / "summary.json"),
+                  "--out", str(out)])
+    assert out.stat().st_size > 10_000 and f"figure: {out}" in capsys.readouterr().out
+    (tmp_path / "none.json").write_text("{}")
+    with pytest.raises(SystemExit, match="no summary has a decomposition or a critic_window entry"):
+        figures.main(["critic", str(tmp_path / "none.json"), "--out", str(out)])
