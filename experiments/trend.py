@@ -58,8 +58,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import lab  # noqa: E402  (the shipped lab and its splits)
 from figures import plot, plot_axis, plot_beta, plot_rare, plot_reliability  # noqa: E402
-from lab_summary import (BETA_METHODS, base_entry, control_summary, flag_value, lab_scan, lab_summary,  # noqa: E402
-                         rare_summary)
+from lab_summary import BETA_METHODS, flag_value, lab_scan  # noqa: E402
+from stability import summary_json  # noqa: E402  (summary.json's content from the result files: no figure)
 from summary import base_pass_at_k, collect, statistics, write_summary  # noqa: E402
 from sweep import (ALIASES, DEFAULT_METHODS, METHODS, SweepError, check_sweep_file, eval_command, eval_dir,  # noqa: E402
                    evaluate, resolve_methods, train_and_eval, train_command)
@@ -264,17 +264,10 @@ def main(argv=None):
                     train_and_eval(args, method, seed)
         summarize(args)
         if args.summary_json:
-            summary = lab_summary(os.path.dirname(args.results), args.prompts, args.last)
-            base = base_entry(args.lab) if args.lab else None
-            if base:  # the base model's pass@k beside the runs': what RL added, k by k
-                summary["base"] = base
-            rare = rare_summary(os.path.join(os.path.dirname(args.results), "problems-" + os.path.basename(
-                args.results)), args.prompts // args.num_mini_batches)
-            if rare:  # pass@k on the problems the base model rarely solved (lab_problems.py's counts)
-                summary["rare"] = rare
-            control = control_summary(os.path.dirname(args.results), summary, args.last)
-            if control:  # a method at another lr than its choice, against PACS and against itself (control-p*-lr*/)
-                summary["control"] = control
+            # every entry of summary.json is computed in stability.summary_json (lab_summary, base, rare, control,
+            # stability, efficiency), where tests/test_regenerate.py recomputes each committed summary: add one there
+            summary = summary_json(os.path.dirname(args.results), args.lab, args.prompts, args.last,
+                                   os.path.basename(args.results))
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=1)
             print(f"summary: {args.summary_json} ({len(summary['runs'])} runs, {len(summary['axis'])} on the axis)")
