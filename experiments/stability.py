@@ -354,6 +354,10 @@ def _ci(p, scale=lambda x: x, fmt="+.3f"):
     return f"{format(scale(p['mean']), fmt)} [{format(scale(lo), fmt)}, {format(scale(hi), fmt)}]"
 
 
+def _seeds(n):
+    return f"{n} seed" + ("s" if n != 1 else "")
+
+
 def _num(x, fmt):
     return "–" if x is None else format(x, fmt)
 
@@ -363,7 +367,8 @@ def _cell(p, scale=lambda x: x, fmt=".2f", det=None):
     if p is None:
         return "–"
     text = f"{_ci(p, scale, fmt)} p {_num(p['p_t'], '.3g')}"
-    return text + (f" (det. {format(p['detectable_80'], det)})" if det and p["detectable_80"] is not None else "")
+    return text + (f" (det. {format(scale(p['detectable_80']), det)})" if det and p["detectable_80"] is not None
+                   else "")
 
 
 def tables(summary):
@@ -392,10 +397,10 @@ def tables(summary):
         gs = next((p for p in st["paired"] if p["b"] == b and p["metric"] == "log_grad_spike"), None)
         bb = next((x for x in st["below_base"] if x["b"] == b), None)
         below = "" if bb is None else f"{bb['below_a']}/{bb['runs_a']}, {bb['below_b']}/{bb['runs_b']}"
-        out.append(f"| {b} ({s['seeds_b']} seeds) | {_num(s['sd_a'], '.4f')}, {_num(s['sd_b'], '.4f')} | "
+        out.append(f"| {b} ({_seeds(s['seeds_b'])}) | {_num(s['sd_a'], '.4f')}, {_num(s['sd_b'], '.4f')} | "
                    f"{_num(s['ratio'], '.2f')} | {_num(s['p_levene'], '.3g')} | "
                    f"{_num(s['detectable_ratio_80'], '.2f')} | {_cell(dd, fmt='+.3f', det='.3f')} | "
-                   f"{_cell(gs, math.exp, '.2f')} | {below} |")
+                   f"{_cell(gs, math.exp, '.2f', det='.2f')} | {below} |")
     per_method = {}
     for r in st["runs"]:
         per_method.setdefault(r["method"], []).append(r)
@@ -423,36 +428,47 @@ def tables(summary):
     for a, b in dict.fromkeys((p["a"], p["b"]) for p in ef["paired"]):
         get = lambda metric: next((p for p in ef["paired"] if p["b"] == b and p["metric"] == metric), None)
         mr, sh, tm = get("mean_reward"), get("samples_to_half_gain"), get("log_step_time")
-        out.append(f"| {b} ({mr['seeds']} seeds) | {_cell(mr, fmt='+.3f', det='.3f')} | "
-                   f"{_cell(sh, fmt='+,.0f', det=',.0f')} | {_cell(tm, math.exp, '.2f')} |")
+        out.append(f"| {b} ({_seeds(mr['seeds'])}) | {_cell(mr, fmt='+.3f', det='.3f')} | "
+                   f"{_cell(sh, fmt='+,.0f', det=',.0f')} | {_cell(tm, math.exp, '.2f', det='.2f')} |")
     out += ["", f"Efficiency row: {ef['claim']['verdict']} (threshold p < {ef['claim']['threshold']:.4f}); "
             f"runs without a gain: {', '.join(ef['no_gain']) or 'none'}."]
     return "\n".join(out)
 
 
 def plot_lr(labs, path):
-    """Validation pass@1 against lr, one panel per lab (each method's mean over the scan's seeds, its seeds as
-    dots, the chosen lr ringed): labs is [(title, summary)]."""
+    """Validation pass@1 against lr, one panel per lab: PACS and sweep.CLAIMS's other methods, each one colour in
+    every panel (its mean over the scan's seeds joined, its seeds as dots, the chosen lr ringed); labs is
+    [(title, summary)]."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
+    methods = ["pacs"] + [b for _, b in CLAIMS]
+    colour = dict(zip(methods, ("tab:orange", "tab:brown", "tab:blue", "tab:red", "tab:grey")))
     fig, axes = plt.subplots(1, len(labs), figsize=(5.5 * len(labs), 4), squeeze=False)
     for ax, (title, summary) in zip(axes[0], labs):
-        scan = summary["stability"]["lr"]
-        for m, e in scan["methods"].items():
+        scan, grid = summary["stability"]["lr"], set()
+        for m in methods:
+            e = scan["methods"].get(m)
+            if e is None:
+                continue
             lrs = sorted(e["pass@1"], key=float)
-            x = [float(lr) for lr in lrs]
-            line, = ax.plot(x, [np.mean(list(e["pass@1"][lr].values())) for lr in lrs], marker="o", label=m,
-                            lw=2.5 if m == "pacs" else 1.2)
+            grid |= {float(lr) for lr in lrs}
+            mean = lambda lr: float(np.mean(list(e["pass@1"][lr].values())))
+            ax.plot([float(lr) for lr in lrs], [mean(lr) for lr in lrs], marker="o", color=colour[m], label=m,
+                    lw=2.5 if m == "pacs" else 1.2)
             for lr in lrs:
-                ax.scatter([float(lr)] * len(e["pass@1"][lr]), list(e["pass@1"][lr].values()), s=8, color=line.get_color(), alpha=0.5)
-            ax.scatter([e["chosen"]], [np.mean(list(e["pass@1"][str(e["chosen"])].values()))], s=120, facecolors="none",
-                       edgecolors=line.get_color())
-        base = summary.get("base", {}).get("pass@k", {}).get("1")
+                ax.scatter([float(lr)] * len(e["pass@1"][lr]), list(e["pass@1"][lr].values()), s=8, color=colour[m],
+                           alpha=0.5)
+            ax.scatter([e["chosen"]], [mean(str(e["chosen"]))], s=140, facecolors="none", edgecolors=colour[m])
+        base = (summary.get("base") or {}).get("pass@k", {}).get("1")
         if base is not None:
-            ax.axhline(base, color="grey", ls=":", lw=1, label="base model (test pass@1)")
+            ax.axhline(base, color="grey", ls=":", lw=1, label="base model, test pass@1")
         ax.set_xscale("log")
-        ax.set_xlabel("learning rate")
+        ax.xaxis.set_major_locator(FixedLocator(sorted(grid)))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([f"{lr:g}" for lr in sorted(grid)])
+        ax.set_xlabel("learning rate (ringed: the scan's choice)")
         ax.set_ylabel("validation pass@1 after 150 steps")
         ax.set_title(title)
         ax.legend(fontsize=7)
@@ -488,7 +504,7 @@ def main(argv=None):
     if args.figure:
         if len(args.figure) < 2:
             p.error("--figure PATH LAB_DOCS [LAB_DOCS ...]")
-        labs = [(os.path.basename(os.path.normpath(d)), load(d)) for d in args.figure[1:]]
+        labs = [(f"{os.path.normpath(d)}: the scan, 2 seeds", load(d)) for d in args.figure[1:]]
         print(f"figure: {plot_lr(labs, args.figure[0])}")
 
 
