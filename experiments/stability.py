@@ -22,8 +22,9 @@ import numpy as np
 from scipy import stats as sps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lab_summary import (base_entry, control_summary, lab_results, lab_scan, lab_summary, paired_entry,  # noqa: E402
-                         rare_summary)
+from bases import bases_summary  # noqa: E402  (each claim over the lab's bases)
+from lab_summary import (base_entry, control_summary, critic_window, decomposition_summary, lab_results,  # noqa: E402
+                         lab_scan, lab_summary, paired_entry, rare_summary)
 from stats import t_interval  # noqa: E402
 from sweep import CLAIMS, SweepError  # noqa: E402
 
@@ -338,6 +339,16 @@ def summary_json(runs_root, lab_dir="", prompts=32, last=10, results_name=""):
     control = control_summary(runs_root, summary, last)
     if control:  # a method at another lr than its choice, against PACS and against itself (control-p*-lr*/)
         summary["control"] = control
+    decomposition = decomposition_summary(runs_root, summary, last)
+    if decomposition:  # the critic controls: PACS's margin over critic-off, part by part
+        summary["decomposition"] = decomposition
+    window = critic_window(runs_root)
+    if window:  # the critic at every prompts per mini-batch, over the same first rollouts (axis-p*/)
+        summary["critic_window"] = window
+    if lab_dir and os.path.basename(os.path.abspath(lab_dir)) == "base":  # the lab's other bases (docs/<tag>/bases/)
+        over = bases_summary(os.path.dirname(os.path.abspath(lab_dir)), summary, prompts, last)
+        if over:
+            summary["bases"] = over
     runs, base_pass1, notes = per_run(runs_root, summary, lab_dir)
     summary["stability"] = stability_entry(runs_root, summary, runs, base_pass1, notes)
     summary["efficiency"] = efficiency_entry(summary, lab_dir, runs, notes)
