@@ -107,7 +107,8 @@ def build(tag, bases=4, first_seed=1, max_tries=12):
         out = os.path.join(ROOT, "experiments", f"out_{tag}", "bases", f"seed{seed}")
         if not os.path.isfile(os.path.join(out, "lab.json")):
             shutil.rmtree(out, ignore_errors=True)  # a build cut short: lab.py builds into a new directory
-            cmd = [sys.executable, os.path.join("experiments", "lab.py"), "--out", out, "--seed", str(seed), *flags]
+            cmd = [sys.executable, os.path.join("experiments", "lab.py"), "--out", os.path.relpath(out, ROOT),
+                   "--seed", str(seed), *flags]  # relative: lab.json records its --out, no machine's path
             print("+", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True, cwd=ROOT)
         with open(os.path.join(out, "lab.json")) as f:
