@@ -85,7 +85,7 @@ def _fake_lab_py(results):
     calls = []
 
     def run(cmd, check, cwd):
-        out, seed = cmd[cmd.index("--out") + 1], int(cmd[cmd.index("--seed") + 1])
+        out, seed = os.path.join(cwd, cmd[cmd.index("--out") + 1]), int(cmd[cmd.index("--seed") + 1])
         calls.append(seed)
         os.makedirs(os.path.join(out, "model"))
         open(os.path.join(out, "model", "model.safetensors"), "w").write(f"weights {seed}")
