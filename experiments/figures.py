@@ -248,7 +248,9 @@ def plot_critic_parts(summaries, path, metric="pass@1"):
     the same first rollouts (summary["critic_window"]), mean over seeds with its 95% t-interval."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    labs = [(label, s["decomposition"]) for label, s in summaries.items() if s.get("decomposition")]
+    # a lab whose controls have fewer than 2 seeds a part has no interval to draw yet: left out
+    labs = [(label, s["decomposition"]) for label, s in summaries.items() if s.get("decomposition")
+            and min(p["seeds"] for p in s["decomposition"]["parts"] if p["metric"] == metric) >= 2]
     width = 0.8 / max(len(labs), 1)
     for i, (label, d) in enumerate(labs):
         by = {p["part"]: p for p in d["parts"] if p["metric"] == metric}
@@ -258,7 +260,7 @@ def plot_critic_parts(summaries, path, metric="pass@1"):
         stats = [(m, m if lo is None else lo, m if hi is None else hi) for m, lo, hi in stats]
         seeds = min(by[p]["seeds"] for p in parts) if parts else 0
         axes[0].bar(xs, [s[0] for s in stats], width, yerr=error_bars(stats), capsize=3,
-                    label=f"{label} (at least {seeds} seeds a part)")
+                    label=f"{label}, {seeds} seeds")
     axes[0].axhline(0.0, color="k", lw=0.8)
     axes[0].set_xticks(range(len(PART_ORDER)), ["self-damping\npacs - class-shuf.", "ranking\nclass- - group-shuf.",
                                                 "values' noise\ngroup-shuf. - off", "total\npacs - critic-off"],

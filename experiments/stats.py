@@ -148,11 +148,14 @@ def over_bases(diffs_by_base, level=0.95):
         for category in (ConvergenceWarning, SingularMatrixWarning, RuntimeWarning):
             warnings.simplefilter("ignore", category)
         fit = MixedLM(y, np.ones((len(y), 1)), groups).fit(reml=True)
-        mu, se, within = float(fit.fe_params[0]), float(fit.bse_fe[0]), float(fit.scale)  # bse: computed on access
+        mu, within = float(fit.fe_params[0]), float(fit.scale)
         between = float(np.asarray(fit.cov_re).reshape(-1)[0])
     boundary = between <= 1e-6 * within  # s_b at 0: the bases differ no more than the seeds say they would
-    if boundary:  # the model is then the pooled mean of all N seeds, se = s_w / sqrt(N) (statsmodels' may be nan)
-        between, se = 0.0, math.sqrt(within / len(y))
+    between = 0.0 if boundary else between
+    # mu is the GLS mean, each base weighted by 1 / (s_b^2 + s_w^2 / n_b); its variance is 1 / sum of the weights
+    # (statsmodels' bse_fe, computed here from the variance components: its Hessian can be singular near s_b = 0)
+    sizes = np.array([len(diffs_by_base[b]) for b in bases], dtype=float)  # (K,)
+    se = math.sqrt(1.0 / float(np.sum(1.0 / (between + within / sizes))))
     half = stats.t.ppf((1 + level) / 2, K - 1) * se
     return {"mean": mu, "se": se, "ci": [float(mu - half), float(mu + half)], "between_sd": math.sqrt(max(between, 0.0)),
             "within_sd": math.sqrt(within), "bases": K, "df": K - 1, "boundary": bool(boundary)}

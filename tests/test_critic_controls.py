@@ -259,6 +259,11 @@ def test_the_critic_figure_is_written_from_summaries_and_refuses_ones_without_it
     figures.main(["critic", str(tmp_path / "lab" / "summary.json"), str(tmp_path / "lab2" / "summary.json"),
                   "--out", str(out)])
     assert out.stat().st_size > 10_000 and f"figure: {out}" in capsys.readouterr().out
+    one_seed = {"decomposition": {"parts": [{**p, "seeds": 1, "ci95_t": [None, None]} for p in parts]}}
+    (tmp_path / "lab3").mkdir()
+    (tmp_path / "lab3" / "summary.json").write_text(json.dumps(one_seed))  # no interval yet: left out, no error
+    figures.main(["critic", str(tmp_path / "lab" / "summary.json"), str(tmp_path / "lab3" / "summary.json"),
+                  "--out", str(out)])
     (tmp_path / "none.json").write_text("{}")
     with pytest.raises(SystemExit, match="no summary has a decomposition or a critic_window entry"):
         figures.main(["critic", str(tmp_path / "none.json"), "--out", str(out)])
