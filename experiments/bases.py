@@ -28,8 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import lab  # noqa: E402
-from lab_summary import lab_summary, paired_entry  # noqa: E402
-from stats import over_bases, t_interval  # noqa: E402
+from lab_summary import by_seed, lab_summary, paired_entry, rounded  # noqa: E402
+from stats import over_bases, paired_differences, t_interval  # noqa: E402
 from sweep import SweepError  # noqa: E402
 
 METHODS = ("pacs", "pacs-critic-off", "grpo", "ppo")
@@ -180,7 +180,6 @@ def bases_summary(tag_dir, summary, prompts=32, last=10):
     if len(runs_by_base) < 2:
         return None
     large = "pass@256" if any("pass@256" in r for rs in runs_by_base.values() for r in rs) else "pass@64"
-    clean = lambda x: None if x is None or not np.isfinite(x) else round(float(x), 5)
     claims = []
     for a, b in CLAIMS:
         for metric in ("pass@1", large, "final_entropy"):
@@ -195,23 +194,19 @@ def bases_summary(tag_dir, summary, prompts=32, last=10):
             first = per_base[0]["mean"] if per_base and per_base[0]["base"] == "base" else None
             holds = sum(1 for p in per_base if first and p["mean"] and np.sign(p["mean"]) == np.sign(first))
             claims.append({"a": a, "b": b, "metric": metric, "per_base": per_base,
-                           "over_bases": {"mean": clean(fit["mean"]), "se": clean(fit["se"]),
-                                          "ci95": [clean(c) for c in fit["ci"]], "df": fit["df"],
-                                          "between_sd": clean(fit["between_sd"]), "within_sd": clean(fit["within_sd"]),
+                           "over_bases": {"mean": rounded(fit["mean"]), "se": rounded(fit["se"]),
+                                          "ci95": [rounded(c) for c in fit["ci"]], "df": fit["df"],
+                                          "between_sd": rounded(fit["between_sd"]), "within_sd": rounded(fit["within_sd"]),
                                           "boundary": fit["boundary"]},
-                           "t_over_base_means": {"mean": clean(means[0]), "ci95": [clean(means[1]), clean(means[2])]},
+                           "t_over_base_means": {"mean": rounded(means[0]), "ci95": [rounded(means[1]), rounded(means[2])]},
                            "holds_on": holds, "of": len(per_base)})
     return {"methods": list(METHODS), "large_k": large, "bases": info, "claims": claims}
 
 
 def paired_diffs(runs, a, b, metric):
-    """a - b in `metric` per seed both ran (seed order), rounded as summary.json's numbers are."""
-    by = {}
-    for r in runs:
-        if r.get(metric) is not None:
-            by.setdefault(r["method"], {})[r["seed"]] = r[metric]
-    seeds = sorted(set(by.get(a, {})) & set(by.get(b, {})))
-    return [round(by[a][s] - by[b][s], 6) for s in seeds]
+    """a - b in `metric` per seed both ran (seed order), to 6 decimals."""
+    by = by_seed(runs, metric)
+    return [round(float(x), 6) for x in paired_differences(by.get(a, {}), by.get(b, {}))[1]]
 
 
 def main(argv=None):

@@ -191,21 +191,36 @@ def add_counts(a, b):
     return {"edges": a["edges"], **{k: [round(x + y, 4) for x, y in zip(a[k], b[k])] for k in ("n", "sigma", "right")}}
 
 
-def paired_entry(entries, a, b, metric, prompts_per_mini_batch):
-    """a - b in `metric`, paired by seed over the entries (summary runs or axis points): the mean, its 95% t- and
-    bootstrap intervals, the smallest difference this many seeds could detect (80% power) and the paired t-test's
-    two-sided p-value; None for nan."""
+def rounded(x):
+    """A summary's number: 5 decimals; None for None or nan."""
+    return None if x is None or math.isnan(x) else round(float(x), 5)
+
+
+def p_value(p):
+    """A summary's p-value: 3 significant digits (a small p stays > 0); None for None or nan."""
+    return None if p is None or math.isnan(p) else float(f"{p:.3g}")
+
+
+def by_seed(entries, metric):
+    """{method: {seed: value}} of `metric` over the entries (summary runs or axis points) that have it."""
     by = {}
     for e in entries:
         if e.get(metric) is not None:
             by.setdefault(e["method"], {})[e["seed"]] = e[metric]
+    return by
+
+
+def paired_entry(entries, a, b, metric, prompts_per_mini_batch):
+    """a - b in `metric`, paired by seed over the entries (summary runs or axis points): the mean, its 95% t- and
+    bootstrap intervals, the smallest difference this many seeds could detect (80% power) and the paired t-test's
+    two-sided p-value; None for nan."""
+    by = by_seed(entries, metric)
     seeds, d = paired_differences(by.get(a, {}), by.get(b, {}))
-    clean = lambda x: None if math.isnan(x) else round(float(x), 5)
     t, boot, p = t_interval(d), bootstrap_interval(d), paired_p(d)
     return {"prompts_per_mini_batch": prompts_per_mini_batch, "a": a, "b": b, "metric": metric, "seeds": len(seeds),
-            "mean": clean(t[0]), "ci95_t": [clean(t[1]), clean(t[2])], "ci95_bootstrap": [clean(boot[1]), clean(boot[2])],
-            "detectable_80": clean(smallest_detectable(d)),
-            "p_t": None if math.isnan(p) else float(f"{p:.3g}")}  # 3 significant digits: a small p stays > 0
+            "mean": rounded(t[0]), "ci95_t": [rounded(t[1]), rounded(t[2])],
+            "ci95_bootstrap": [rounded(boot[1]), rounded(boot[2])], "detectable_80": rounded(smallest_detectable(d)),
+            "p_t": p_value(p)}
 
 
 
@@ -264,9 +279,8 @@ def decomposition_summary(runs_root, summary, last=10):
         if r["settings"]["prompts"] == settings["prompts"] and r["method"] in {m for _, a, b in DECOMPOSITION
                                                                                 for m in (a, b)}:
             critic.setdefault(r["method"], []).append({"seed": r["seed"], **critic_numbers(r)})
-    clean = lambda x: None if math.isnan(x) else round(float(x), 5)
     return {"parts": [p for p in parts if p["seeds"]],
-            "critic": {m: {"seeds": len(rows), **{k: [clean(v) for v in t_interval(
+            "critic": {m: {"seeds": len(rows), **{k: [rounded(v) for v in t_interval(
                 [row[k] for row in rows if row[k] is not None])] for k in CRITIC_KEYS}}
                 for m, rows in sorted(critic.items())}}
 
@@ -290,13 +304,12 @@ def critic_window(runs_root, window=5, method="pacs"):
                              f"steps, fewer than the window's {window}")
         points.setdefault((s["prompts"] // s["num_mini_batches"], s["lr"]), []).append(
             {"seed": r["seed"], **critic_numbers(r, window)})
-    clean = lambda x: None if math.isnan(x) else round(float(x), 5)
     out = []
     for (ppm, lr), rows in sorted(points.items()):
         won = sum(row["critic_auc"] * row["critic_pairs"] for row in rows if row["critic_auc"] is not None)
         pairs = sum(row["critic_pairs"] for row in rows if row["critic_auc"] is not None)
         out.append({"prompts_per_mini_batch": ppm, "lr": lr, "seeds": sorted(row["seed"] for row in rows),
-                    **{k: [clean(v) for v in t_interval([row[k] for row in rows if row[k] is not None])]
+                    **{k: [rounded(v) for v in t_interval([row[k] for row in rows if row[k] is not None])]
                        for k in CRITIC_KEYS},
                     "critic_auc_pooled": round(won / pairs, 5) if pairs else None, "critic_pairs": pairs})
     return {"method": method, "window_steps": window, "points": out}

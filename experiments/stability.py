@@ -24,7 +24,7 @@ from scipy import stats as sps
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bases import bases_summary  # noqa: E402  (each claim over the lab's bases)
 from lab_summary import (base_entry, control_summary, critic_window, decomposition_summary, lab_results,  # noqa: E402
-                         lab_scan, lab_summary, paired_entry, rare_summary)
+                         lab_scan, lab_summary, p_value, paired_entry, rare_summary, rounded)
 from stats import t_interval  # noqa: E402
 from sweep import CLAIMS, SweepError  # noqa: E402
 
@@ -122,15 +122,6 @@ def detectable_sd_ratio(n_a, n_b, level=0.95, power=0.8):
     return float(math.sqrt(sps.f.ppf((1 + level) / 2, d1, d2) / sps.f.ppf(1 - power, d1, d2)))
 
 
-def _p(p):
-    """A p-value as the summaries keep it: 3 significant digits (a small p stays > 0); None for nan."""
-    return None if p is None or math.isnan(p) else float(f"{p:.3g}")
-
-
-def _round(x):
-    return None if x is None or math.isnan(x) else round(float(x), 5)
-
-
 def spread_entry(runs, a, b):
     """SD over seeds (n - 1) of final test pass@1 for methods a and b, their ratio a / b, Levene's test centred
     at the median (Brown-Forsythe) and the smallest SD ratio this many seeds could detect (detectable_sd_ratio)."""
@@ -141,9 +132,9 @@ def spread_entry(runs, a, b):
     if len(va) > 1 and len(vb) > 1 and (np.ptp(va) > 0 or np.ptp(vb) > 0):
         p = float(sps.levene(va, vb, center="median").pvalue)
     ratio = sd(va) / sd(vb) if sd(vb) > 0 else math.nan
-    return {"a": a, "b": b, "metric": "spread", "seeds_a": len(va), "seeds_b": len(vb), "sd_a": _round(sd(va)),
-            "sd_b": _round(sd(vb)), "ratio": _round(ratio), "p_levene": _p(p),
-            "detectable_ratio_80": _round(detectable_sd_ratio(len(va), len(vb)))}
+    return {"a": a, "b": b, "metric": "spread", "seeds_a": len(va), "seeds_b": len(vb), "sd_a": rounded(sd(va)),
+            "sd_b": rounded(sd(vb)), "ratio": rounded(ratio), "p_levene": p_value(p),
+            "detectable_ratio_80": rounded(detectable_sd_ratio(len(va), len(vb)))}
 
 
 def below_base_entry(runs, a, b):
@@ -153,7 +144,7 @@ def below_base_entry(runs, a, b):
         return sum(flags), len(flags)
     (ka, na), (kb, nb) = count(a), count(b)
     p = float(sps.fisher_exact([[ka, na - ka], [kb, nb - kb]]).pvalue) if na and nb else math.nan
-    return {"a": a, "b": b, "below_a": ka, "runs_a": na, "below_b": kb, "runs_b": nb, "p_fisher": _p(p)}
+    return {"a": a, "b": b, "below_a": ka, "runs_a": na, "below_b": kb, "runs_b": nb, "p_fisher": p_value(p)}
 
 
 def lr_robustness(runs_root, prompts=32):
@@ -172,12 +163,12 @@ def lr_robustness(runs_root, prompts=32):
         best, chosen = max(means.values()), choice[m]
         at = lambda factor: next((lr for lr in by_lr if math.isclose(lr, factor * chosen, rel_tol=1e-9)), None)
         double, half = at(2.0), at(0.5)
-        loss = lambda lr: None if lr is None else _round(means[chosen] - means[lr])
+        loss = lambda lr: None if lr is None else rounded(means[chosen] - means[lr])
         methods[m] = {"chosen": chosen, "pass@1": {str(lr): by_lr[lr] for lr in sorted(by_lr)},
-                      "share": {str(lr): _round(means[lr] / best) for lr in sorted(by_lr)},
+                      "share": {str(lr): rounded(means[lr] / best) for lr in sorted(by_lr)},
                       "lr_2x": double, "loss_2x": loss(double), "lr_half": half, "loss_half": loss(half),
                       "loss_2x_per_seed": None if double is None else {
-                          str(s): _round(by_lr[chosen][s] - by_lr[double][s]) for s in sorted(by_lr[chosen])
+                          str(s): rounded(by_lr[chosen][s] - by_lr[double][s]) for s in sorted(by_lr[chosen])
                           if s in by_lr[double]}}
     paired = []
     for a, b in CLAIMS:
@@ -185,8 +176,8 @@ def lr_robustness(runs_root, prompts=32):
         seeds = sorted(set(la) & set(lb))
         if seeds:
             t = t_interval([la[s] - lb[s] for s in seeds])
-            paired.append({"a": a, "b": b, "metric": "loss_2x", "seeds": len(seeds), "mean": _round(t[0]),
-                           "ci95_t": [_round(t[1]), _round(t[2])]})
+            paired.append({"a": a, "b": b, "metric": "loss_2x", "seeds": len(seeds), "mean": rounded(t[0]),
+                           "ci95_t": [rounded(t[1]), rounded(t[2])]})
     return {"methods": methods, "paired": paired}
 
 

@@ -265,7 +265,8 @@ def main(argv=None):
         summarize(args)
         if args.summary_json:
             # every entry of summary.json is computed in stability.summary_json (lab_summary, base, rare, control,
-            # stability, efficiency), where tests/test_regenerate.py recomputes each committed summary: add one there
+            # decomposition, critic_window, bases, stability, efficiency), where tests/test_regenerate.py recomputes
+            # each committed summary: add one there
             summary = summary_json(os.path.dirname(args.results), args.lab, args.prompts, args.last,
                                    os.path.basename(args.results))
             with open(args.summary_json, "w") as f:
