@@ -11,6 +11,7 @@ bases/builds.json and reported, not hidden:
     python experiments/bases.py build --lab-tag lab --bases 4     # docs/lab/bases/seed<N>/ and bases/builds.json
     python experiments/bases.py sweep --lab-tag lab --seeds 0 1   # PACS, critic-off, GRPO, PPO on every new base
     python experiments/trend.py --lab ... --summary-json docs/lab/summary.json   # summary.json's "bases"
+    python experiments/bases.py table --lab-tag lab               # its claims as the markdown table docs/ quotes
 
 The sweep runs each method at the lr the lab's scan chose on its first base (docs/<tag>/summary.json's settings): no
 scan per base. Seed-major: every base gets seed 0 before any gets seed 1, so a sweep cut short has every base.
@@ -203,6 +204,31 @@ def bases_summary(tag_dir, summary, prompts=32, last=10):
     return {"methods": list(METHODS), "large_k": large, "bases": info, "claims": claims}
 
 
+def fmt(x):
+    return "–" if x is None else f"{x:+.3f}".replace("-", "−")
+
+
+def table(entry):
+    """summary.json's "bases" as markdown: per claim the first base's paired mean (its seeds), each new base's, the
+    interval over bases (mixed model, t with K - 1 df), the between- and within-base SD, and on how many bases the
+    mean has the first base's sign."""
+    names = [b["base"] for b in entry["bases"]]
+    seeds = {b["base"]: b["seed"] for b in entry["bases"]}
+    head = ["claim", "metric"] + [f"base {seeds[n]}" for n in names] + ["over bases [95%]", "between SD",
+                                                                         "within SD", "holds on"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    for c in entry["claims"]:
+        per = {p["base"]: p for p in c["per_base"]}
+        cells = [f"{fmt(per[n]['mean'])} ({per[n]['seeds']})" if n in per else "" for n in names]
+        o = c["over_bases"]
+        over = f"{fmt(o['mean'])} [{fmt(o['ci95'][0])}, {fmt(o['ci95'][1])}]" + (" ‡" if o["boundary"] else "")
+        lines.append("| " + " | ".join([f"{c['a']} − {c['b']}", c["metric"].replace("final_entropy", "entropy"),
+                                        *cells, over, f"{o['between_sd']:.3f}", f"{o['within_sd']:.3f}",
+                                        f"{c['holds_on']} of {c['of']}"]) + " |")
+    return "\n".join(lines) + "\n\n(n): RL seeds on that base; base 0 is the shipped base. ‡: the between-base " \
+        "variance sits on its boundary (0).\n"
+
+
 def paired_diffs(runs, a, b, metric):
     """a - b in `metric` per seed both ran (seed order), to 6 decimals."""
     by = by_seed(runs, metric)
@@ -211,7 +237,8 @@ def paired_diffs(runs, a, b, metric):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["build", "sweep"], help="build the bases, or run the replication sweep on them")
+    p.add_argument("what", choices=["build", "sweep", "table"],
+                   help="build the bases, run the replication sweep on them, or print summary.json's bases as markdown")
     p.add_argument("--lab-tag", default="lab", help="the lab: docs/<tag>/ (lab or lab2)")
     p.add_argument("--bases", type=int, default=4, help="build: new bases to land in the window")
     p.add_argument("--first-seed", type=int, default=1, help="build: the first seed tried (the shipped base is 0)")
@@ -220,7 +247,14 @@ def main(argv=None):
     if not os.path.isfile(os.path.join(docs_dir(args.lab_tag), "base", "lab.json")):
         sys.exit(f"bases.py: error: no lab docs/{args.lab_tag}/base/lab.json")
     try:
-        if args.what == "build":
+        if args.what == "table":
+            with open(os.path.join(docs_dir(args.lab_tag), "summary.json")) as f:
+                entry = json.load(f).get("bases")
+            if not entry:
+                sys.exit(f"bases.py: error: docs/{args.lab_tag}/summary.json has no bases entry: no new base has "
+                         "result files yet")
+            print(table(entry), end="")
+        elif args.what == "build":
             build(args.lab_tag, args.bases, args.first_seed)
         else:
             sweep(args.lab_tag, args.seeds)

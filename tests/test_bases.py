@@ -159,6 +159,14 @@ def test_bases_summary_pairs_each_base_and_fits_over_them(tmp_path, monkeypatch)
     assert c["t_over_base_means"]["mean"] == pytest.approx(np.mean([p["mean"] for p in c["per_base"]]), abs=1e-5)
     (e,) = [c for c in out["claims"] if (c["b"], c["metric"]) == ("ppo", "final_entropy")]
     assert e["per_base"][0]["mean"] < 0 and e["holds_on"] == 3  # PACS's entropy below PPO's on every base
+    rows = bases.table(out).splitlines()
+    assert rows[0].startswith("| claim | metric | base 0 | base 1 | base 2 | over bases [95%] |")
+    (row,) = [r for r in rows if r.startswith("| pacs − ppo | pass@1 |")]
+    cells = [x.strip() for x in row.strip("|").split("|")]
+    assert cells[2] == bases.fmt(c["per_base"][0]["mean"]) + " (16)" and cells[3].endswith("(2)")
+    assert cells[5] == (f"{bases.fmt(c['over_bases']['mean'])} [{bases.fmt(c['over_bases']['ci95'][0])}, "
+                        f"{bases.fmt(c['over_bases']['ci95'][1])}]") + (" ‡" if c["over_bases"]["boundary"] else "")
+    assert cells[-1] == "2 of 3" and bases.fmt(-0.0123) == "−0.012"
     only = tmp_path / "only"  # a lab with no other base's runs: no entry
     (only / "base").mkdir(parents=True)
     (only / "base" / "lab.json").write_text((tag / "base" / "lab.json").read_text())
@@ -183,6 +191,31 @@ def check_bases_schema(entry):
         assert o["df"] == c["of"] - 1
         if o["se"] is not None:
             assert o["ci95"][0] <= o["mean"] <= o["ci95"][1] and o["within_sd"] >= 0 and o["between_sd"] >= 0
+
+
+def test_table_prints_each_claims_numbers_from_the_entry():
+    entry = {"bases": [{"base": "base", "seed": 0}, {"base": "bases/seed3", "seed": 3}],
+             "claims": [{"a": "pacs", "b": "ppo", "metric": "final_entropy", "holds_on": 1, "of": 2,
+                         "per_base": [{"base": "base", "seeds": 16, "mean": 0.0051},
+                                      {"base": "bases/seed3", "seeds": 2, "mean": -0.0304}],
+                         "over_bases": {"mean": -0.0111, "ci95": [-0.2, 0.18], "between_sd": 0.0234,
+                                        "within_sd": 0.0081, "boundary": True},
+                         "t_over_base_means": {"mean": -0.0127, "ci95": [-0.3, 0.3]}}]}
+    head, rule, row = bases.table(entry).splitlines()[:3]
+    assert head == ("| claim | metric | base 0 | base 3 | over bases [95%] | between SD | within SD | holds on |")
+    assert rule.count("|") == head.count("|")
+    assert row == ("| pacs − ppo | entropy | +0.005 (16) | −0.030 (2) | −0.011 [−0.200, +0.180] ‡ | 0.023 | 0.008 "
+                   "| 1 of 2 |")
+
+
+def test_table_without_a_bases_entry_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    (tmp_path / "docs" / "lab" / "base").mkdir(parents=True)
+    (tmp_path / "docs" / "lab" / "base" / "lab.json").write_text("{}")
+    (tmp_path / "docs" / "lab" / "summary.json").write_text(json.dumps({"runs": []}))
+    monkeypatch.setattr(bases, "ROOT", str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        bases.main(["table", "--lab-tag", "lab"])
+    assert "no bases entry" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("tag", ["lab", "lab2"])
