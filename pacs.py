@@ -80,6 +80,11 @@ class Config:
     balance: bool = _opt(True, "PACS: class-balanced BCE weights per group (official weight_mode=question)")
     implicit_critic: bool = _opt(True, "PACS: the critic sigma(psi) in the gradient; --no-implicit-critic "
                                  "puts 1/2 in its place (the ablation that isolates the critic)")
+    ref_reset_every: int = _opt(1, "PACS: pi_ref of r_hat. 1 = pi_old, the policy that sampled each rollout (the "
+                                "official code); K >= 2 = a frozen copy of the weights, reset to pi_theta with "
+                                "AdamW's state every K rollout steps (paper v2); 0 = never reset (Eq. 7's fixed pi_ref)")
+    ref_reset_optimizer: bool = _opt(True, "PACS, --ref-reset-every K >= 2: clear AdamW's moments and step count at "
+                                     "each reset (paper v2); --no-ref-reset-optimizer keeps them")
     loss_agg: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                "seq-mean-token-sum-norm"]] = _opt(
         None, "GRPO/PPO/REINFORCE: how token losses become one (verl's loss_agg_mode); unset: the official "
@@ -385,10 +390,11 @@ def critic_change(psi, rewards, group_size, balance=True):
 # One training step: sample, verify, pi_old log-probs, M updates, metrics (README: PACS in ten lines)
 # =====================================================================================================
 def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model=None, critic=None,
-               critic_optimizer=None):
+               critic_optimizer=None, ref_model=None):
     """One step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: the weights generate()
     runs with (a bf16 copy on CUDA, refreshed by the caller after each step); default: model. critic,
-    critic_optimizer: PPO's value model and its AdamW (--algo ppo)."""
+    critic_optimizer: PPO's value model and its AdamW (--algo ppo). ref_model: PACS's pi_ref when it is not this
+    rollout's pi_old (--ref-reset-every, between resets); None: r_hat is scored against pi_old."""
     G, P, M = cfg.group_size, cfg.prompts_per_step, cfg.num_mini_batches
     t0 = time.time()
     batch = [problems[i] for i in batch_indices(step, len(problems), P, cfg.seed)]
@@ -418,12 +424,16 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     mask = roll["response_mask"].float()  # (B, T)
     old_logprobs = torch.zeros_like(mask)  # (B, T)
     entropy_sum = torch.zeros((), device=device)
+    ref_logprobs = None  # (B, T) pi_ref's, when pi_ref is not pi_old: then mini-batch 0 has no reference of its own
     while True:
         try:
             with torch.no_grad(), _autocast(cfg, device):
-                for sl in _micro_slices(slice(rows_per_mini, B), cfg.micro_batch_size):
+                for sl in _micro_slices(slice(0 if ref_model is not None else rows_per_mini, B), cfg.micro_batch_size):
                     old_logprobs[sl], ent = _logprobs(cfg, model, roll, sl, with_entropy=True)
                     entropy_sum += (ent * mask[sl]).sum()
+                if ref_model is not None:  # the frozen pi_ref, every row, on the same route as pi_old's
+                    ref_logprobs = torch.cat([_logprobs(cfg, ref_model, roll, sl)[0]
+                                              for sl in _micro_slices(slice(0, B), cfg.micro_batch_size)])
                 if critic is not None:  # PPO: the critic's V(s_t) (B, T) of every row, before any update
                     old_values = torch.cat([_values(cfg, critic, roll, sl)
                                             for sl in _micro_slices(slice(0, B), cfg.micro_batch_size)])
@@ -447,12 +457,14 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     # Mini-batch 0 sees pi_theta == pi_old (psi == 0: a group-baseline REINFORCE step); later ones see
     # psi != 0, where the critic sigma(psi) acts. PPO's critic then takes its own step on the same rows.
     model.train()
+    reference = old_logprobs if ref_logprobs is None else ref_logprobs  # what r_hat is scored against
     losses, grad_norms, skipped, psis, critic_out = [], [], 0, [], []
     for m in range(M):
         mini = slice(m * rows_per_mini, (m + 1) * rows_per_mini)
+        first = m == 0 and ref_logprobs is None  # mini-batch 0 fills its own pi_old log-probs
         (loss, psi, ent), grad_norm, applied = optimizer_step(
             cfg, model, optimizer, f"step {step}: mini-batch {m}", lambda: accumulate_mini_batch(
-                cfg, model, roll, old_logprobs, mask, rewards, mini, m == 0, device, advantages, lp_rows))
+                cfg, model, roll, reference, mask, rewards, mini, first, device, advantages, lp_rows))
         entropy_sum += ent
         losses.append(loss)
         grad_norms.append(grad_norm)
@@ -473,7 +485,11 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     metrics = step_metrics(step, roll, rewards, mask, G, entropy_sum, losses, grad_norms, skipped, psi)
     later = slice(rows_per_mini, B)  # where a critic acts: mini-batches 1..M-1 (psi == 0 on mini-batch 0)
     if psi is not None:
-        metrics.update(implicit_critic_metrics(psi[later], rewards[later], G, cfg.balance))
+        acts = later if ref_logprobs is None else slice(0, B)  # under a pi_ref != pi_old: every mini-batch
+        metrics.update(implicit_critic_metrics(psi[acts], rewards[acts], G, cfg.balance))
+        if ref_logprobs is not None:  # the critic before any update of the rollout
+            won, pairs = group_auc(psi[:rows_per_mini], rewards[:rows_per_mini], G)
+            metrics["critic_auc_first"] = (won / pairs).item() if pairs else None
     if critic is not None:
         metrics.update(value_model_metrics(old_values, returns, mask, rewards, G, later, critic_out))
     metrics.update({"micro_batch_size": cfg.micro_batch_size,
@@ -569,6 +585,7 @@ def step_metrics(step, roll, rewards, mask, group_size, entropy_sum, losses, gra
         "loss": float(np.mean([float(x) for x in losses])),
         "psi_mean": psi.mean().item() if psi is not None else None,
         "psi_std": psi.std().item() if psi is not None else None,
+        "psi_abs": psi.abs().mean().item() if psi is not None else None,  # grows between resets of pi_ref
         "sigma_psi": torch.sigmoid(psi).mean().item() if psi is not None else None,
         "grad_norm": float(np.mean(grad_norms)),
         "skipped": skipped,
@@ -616,6 +633,21 @@ def optimizer_step(cfg, model, optimizer, what, accumulate):
     return out, norm.item(), applied
 
 
+def reset_reference(cfg, step, model, ref_model, optimizer):
+    """Paper v2's pi_ref (--ref-reset-every K): the starting model at step 0; at steps K, 2K, ... pi_ref <- pi_theta
+    and AdamW's moments and step counts are cleared (kept with --no-ref-reset-optimizer); K = 0 never resets.
+    Returns whether pi_ref is this rollout's pi_old (always for K = 1, the official code)."""
+    K = cfg.ref_reset_every
+    if K == 1 or step == 0:
+        return True
+    if K == 0 or step % K:
+        return False
+    copy_weights(ref_model, model)
+    if cfg.ref_reset_optimizer:
+        optimizer.state.clear()
+    return True
+
+
 # =====================================================================================================
 # The loop: seed, load, train_step after train_step, log, checkpoint
 # =====================================================================================================
@@ -657,6 +689,9 @@ def train(cfg):
     if cfg.algo == "ppo":  # PPO's explicit critic: a second network with its own AdamW (the run's own on resume)
         critic = load_value_model(cfg, os.path.join(resume_from, "critic") if resume_from else cfg.model, device)
         critic_optimizer = make_optimizer(cfg, critic, lr=cfg.critic_lr)
+    ref_model = None
+    if cfg.ref_reset_every != 1:  # PACS's frozen pi_ref: an fp32 copy, so its log-probs take pi_old's route
+        ref_model = copy.deepcopy(model).requires_grad_(False).eval()
     start = 0
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     if resume_from:
@@ -668,6 +703,10 @@ def train(cfg):
         np.random.set_state(state["rng_numpy"])
         torch.set_rng_state(state["rng_torch"])
         restore_cuda_rng(state["rng_cuda"])
+        if ref_model is not None:
+            if state.get("reference") is None:
+                raise ConfigError(f"{resume_from} holds no pi_ref (made with --ref-reset-every 1): resume with that")
+            ref_model.load_state_dict(state["reference"])
         start = state["step"] + 1
         print(f"[resume] {resume_from}: continuing at step {start}", file=sys.stderr)
     # rows past the checkpoint (a kill after logging, before saving) are dropped: they will be redone
@@ -684,8 +723,9 @@ def train(cfg):
           f"{cfg.prompts_per_step} x {cfg.group_size} samples/step, {cfg.num_mini_batches} updates/step", file=sys.stderr)
     last_save = time.time()
     for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True):
+        ref_is_old = reset_reference(cfg, step, model, ref_model, optimizer)
         metrics, examples = train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model,
-                                       critic, critic_optimizer)
+                                       critic, critic_optimizer, None if ref_is_old else ref_model)
         if rollout_model is not model:
             copy_weights(rollout_model, model)
         last = step == cfg.steps - 1
@@ -702,7 +742,7 @@ def train(cfg):
             tqdm_write(f"  sample (R={e['reward']:.0f}, gold {e['answer']}): {e['response'][:200]!r}")
         overdue = cfg.save_minutes > 0 and time.time() - last_save >= 60 * cfg.save_minutes
         if (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0) or overdue or last:
-            save_checkpoint(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer)
+            save_checkpoint(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer, ref_model)
             last_save = time.time()
     return model
 
@@ -1430,6 +1470,7 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         "weights (fp32)": 4 * n_params,
         "AdamW moments (fp32)": 8 * n_params,
         "rollout copy": 2 * n_params if a_roll == 2 else 0,  # setup_model copies whenever it is not fp32
+        "reference copy (fp32)": 4 * n_params if cfg.ref_reset_every != 1 else 0,  # PACS's frozen pi_ref
         # generate phase
         "KV cache of one generate call": gen_rows * (Lp + T) * kv_per_token * a_roll,
         "generate: sampling logits": gen_rows * V * 4 * 3,  # fp32 logits, processed logits, probabilities
@@ -1457,7 +1498,8 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
                                    + (2 * V * H if a == 2 else 0))
     working = {"actor": parts["gradients (fp32)"] + parts["bf16 weight casts"] + activations + masks
                + max(parts["logits chunk"], parts["end of the forward"])}
-    always = parts["weights (fp32)"] + parts["AdamW moments (fp32)"] + parts["rollout copy"]
+    always = (parts["weights (fp32)"] + parts["AdamW moments (fp32)"] + parts["rollout copy"]
+              + parts["reference copy (fp32)"])
     if cfg.algo == "ppo":
         # The value model: fp32 weights and AdamW held all run long (generate included). Its update runs after the
         # actor's gradients are freed (zero_grad(set_to_none=True)), on the actor's route (response_values shares a
@@ -1555,7 +1597,8 @@ def format_plan(cfg, parts, device_type, total):
     lines = [
         f"[memory] plan on {device_type} with {total / GiB:.1f} GiB (GiB; prompts {Lp} + responses {T} tokens):",
         f"  state     weights {gib('weights (fp32)')} | AdamW {gib('AdamW moments (fp32)')} | "
-        f"rollout copy {gib('rollout copy')}",
+        f"rollout copy {gib('rollout copy')}"
+        + (f" | reference copy {gib('reference copy (fp32)')}" if parts["reference copy (fp32)"] else ""),
         f"  generate  {cfg.gen_batch_prompts} prompts x {G} per call: KV cache {gib('KV cache of one generate call')}"
         f" | logits {gib('generate: sampling logits')} | prefill {gib('generate: prefill')}",
         f"  update    {mb} rows per micro-batch: activations {gib('activations of a micro-batch')} | "
@@ -1601,9 +1644,9 @@ def copy_weights(dst, src):
 
 
 # ---- checkpoints: HF format + optimizer/RNG/step, written to a temp dir then renamed ----------------
-def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_optimizer=None):
+def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_optimizer=None, ref_model=None):
     """OUT/checkpoint-NNNNNN: the model and tokenizer (HF format), PPO's value model in critic/, and
-    trainer_state.pt (optimizers, RNG, step), written to a temporary dir and renamed."""
+    trainer_state.pt (optimizers, RNG, step, PACS's frozen pi_ref), written to a temporary dir and renamed."""
     final = os.path.join(cfg.out_dir, f"checkpoint-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -1615,6 +1658,7 @@ def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_
                 "critic_optimizer": critic_optimizer.state_dict() if critic_optimizer is not None else None,
                 "rng_numpy": np.random.get_state(), "rng_torch": torch.get_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "reference": ref_model.state_dict() if ref_model is not None else None,
                 "config": dataclasses.asdict(cfg)}, os.path.join(tmp, "trainer_state.pt"))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)  # a kill before this line leaves the previous checkpoint as the latest
@@ -1686,6 +1730,11 @@ def check_config(cfg):
         raise ConfigError("--temperature must be > 0 for sampling")
     if cfg.algo == "pacs" and cfg.loss_agg is not None:
         raise ConfigError(f"--loss-agg {cfg.loss_agg} does not apply to --algo pacs (its BCE is a mean over responses)")
+    if cfg.ref_reset_every < 0:
+        raise ConfigError(f"--ref-reset-every must be >= 0 (1 = pi_old, K = every K steps, 0 = never), got "
+                          f"{cfg.ref_reset_every}")
+    if cfg.algo != "pacs" and cfg.ref_reset_every != 1:
+        raise ConfigError(f"--ref-reset-every is PACS's reference policy; --algo {cfg.algo}'s ratios stay on pi_old")
     if cfg.algo != "pacs" and not cfg.implicit_critic:
         raise ConfigError(f"--no-implicit-critic is PACS's ablation; --algo {cfg.algo} has no implicit critic")
     if cfg.clip_c != 0 and cfg.clip_c <= 1:

@@ -24,6 +24,16 @@ METHODS = {
     "pacs-beta0.5": ["--algo", "pacs", "--beta", "0.5", "--estimator", "rloo", "--balance"],
     "pacs-beta2": ["--algo", "pacs", "--beta", "2.0", "--estimator", "rloo", "--balance"],  # paper's beta = 2
     "pacs-beta4": ["--algo", "pacs", "--beta", "4.0", "--estimator", "rloo", "--balance"],
+    "pacs-beta0.1": ["--algo", "pacs", "--beta", "0.1", "--estimator", "rloo", "--balance"],  # v2's beta axis ends
+    "pacs-beta10": ["--algo", "pacs", "--beta", "10.0", "--estimator", "rloo", "--balance"],
+    # the paper's pi_ref (v2): a frozen copy of the weights, reset to pi_theta with AdamW's state every K rollout steps;
+    # never reset (Eq. 7's fixed pi_ref); and the reset's weights without its optimizer half
+    "pacs-ref4": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance", "--ref-reset-every", "4"],
+    "pacs-ref16": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance", "--ref-reset-every", "16"],
+    "pacs-ref-never": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance",
+                       "--ref-reset-every", "0"],
+    "pacs-ref16-keep-opt": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance",
+                            "--ref-reset-every", "16", "--no-ref-reset-optimizer"],
     "pacs-est-grpo": ["--algo", "pacs", "--beta", "1.0", "--estimator", "grpo", "--balance"],  # psi: (r - mean) / std
     "pacs-est-drgrpo": ["--algo", "pacs", "--beta", "1.0", "--estimator", "drgrpo", "--balance"],  # psi: r - mean
     "pacs-no-balance": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--no-balance"],
@@ -46,7 +56,8 @@ CLAIMS = [("pacs", "pacs-critic-off"), ("pacs", "grpo"), ("pacs", "ppo"), ("pacs
 # runs whose metrics.jsonl scores a critic (critic_auc, ...): summary.md's critics table has each; lab_critic.png
 # the first three (PACS's critic at other betas: lab_beta.png)
 CRITIC_METHODS = ["pacs", "pacs-critic-off", "ppo", "pacs-beta0.5", "pacs-beta2", "pacs-beta4",
-                  "pacs-critic-class-shuffled", "pacs-critic-group-shuffled"]
+                  "pacs-critic-class-shuffled", "pacs-critic-group-shuffled", "pacs-beta0.1", "pacs-beta10",
+                  "pacs-ref4", "pacs-ref16", "pacs-ref-never", "pacs-ref16-keep-opt"]
 # settings that define a sweep's runs and evals: a rerun into the same --out must match them
 SWEEP_KEYS = ("model", "dataset", "data_dir", "prompts", "group_size", "num_mini_batches", "max_new_tokens",
               "lr", "method_lr", "critic_lr_ratio", "pacs_args", "eval_datasets", "eval_problems", "eval_n",
@@ -145,7 +156,8 @@ def train_and_eval(args, method, seed):
 
 # ---- per-run result files: what a finished run leaves in --results (small, committed), resumable from them -----
 RESULT_KEYS = ("reward", "entropy", "response_len", "mixed_groups", "critic_auc", "critic_pairs", "critic_shift",
-               "critic_adv_change", "explained_var", "grad_norm", "step_time")  # the metrics.jsonl columns kept
+               "critic_adv_change", "explained_var", "grad_norm", "step_time", "psi_abs",
+               "critic_auc_first")  # the metrics.jsonl columns kept
 
 
 def result_path(args, method, seed):
