@@ -1,5 +1,5 @@
 """The claims beyond one base model: a lab's recipe built again at other seeds, the replication sweep on each new base,
-and each claim's answer with the base as a random effect (docs/results.md, "The claims over bases").
+and each claim's answer with the base as a random effect (experiments/results.md, "The claims over bases").
 
 Every interval of a lab's sweep is over RL seeds from one base model: it measures RL's noise, not how the answer moves
 with the base. Here each new base is `experiments/lab.py` with the first base's settings (its lab.json) and another
@@ -8,12 +8,12 @@ whole recipe, the population a reader's "on this kind of task" refers to. The fi
 whose build lands in the lab's window (the one the first base was built to meet) are shipped, a miss is kept in
 bases/builds.json and reported, not hidden:
 
-    python experiments/bases.py build --lab-tag lab --bases 4     # docs/lab/bases/seed<N>/ and bases/builds.json
+    python experiments/bases.py build --lab-tag lab --bases 4     # experiments/labs/lab/bases/seed<N>/ and bases/builds.json
     python experiments/bases.py sweep --lab-tag lab --seeds 0 1   # PACS, critic-off, GRPO, PPO on every new base
-    python experiments/trend.py --lab ... --summary-json docs/lab/summary.json   # summary.json's "bases"
+    python experiments/trend.py --lab ... --summary-json experiments/labs/lab/summary.json   # summary.json's "bases"
     python experiments/bases.py table --lab-tag lab               # its claims as the markdown table docs/ quotes
 
-The sweep runs each method at the lr the lab's scan chose on its first base (docs/<tag>/summary.json's settings): no
+The sweep runs each method at the lr the lab's scan chose on its first base (experiments/labs/<tag>/summary.json's settings): no
 scan per base. Seed-major: every base gets seed 0 before any gets seed 1, so a sweep cut short has every base.
 """
 import argparse
@@ -36,13 +36,13 @@ from sweep import SweepError  # noqa: E402
 METHODS = ("pacs", "pacs-critic-off", "grpo", "ppo")
 CLAIMS = (("pacs", "grpo"), ("pacs", "ppo"), ("pacs", "pacs-critic-off"))  # PACS - each, paired by seed, per base
 # a window's rule beyond lab.py's two pass@k ranges: the second lab asks that at least a quarter of its test problems
-# be solved by at most 1 of the base model's 256 samples (docs/lab2/README.md, "The shipped base")
+# be solved by at most 1 of the base model's 256 samples (experiments/labs/lab2/README.md, "The shipped base")
 RARE_MIN = {"lab2": 0.25}
-BUILDS = "builds.json"  # docs/<tag>/bases/builds.json: every seed tried, in the window or not
+BUILDS = "builds.json"  # experiments/labs/<tag>/bases/builds.json: every seed tried, in the window or not
 
 
 def docs_dir(tag):
-    return os.path.join(ROOT, "docs", tag)
+    return os.path.join(ROOT, "experiments", "labs", tag)
 
 
 def recipe(tag):
@@ -92,7 +92,7 @@ def write_builds(tag, flags, builds):
 
 def build(tag, bases=4, first_seed=1, max_tries=12):
     """Build seeds first_seed, first_seed + 1, ... until `bases` of them land in the window (at most max_tries seeds);
-    ship each that does as docs/<tag>/bases/seed<N>/ (model/, lab.json, sft_log.jsonl). Resumable: a seed already in
+    ship each that does as experiments/labs/<tag>/bases/seed<N>/ (model/, lab.json, sft_log.jsonl). Resumable: a seed already in
     builds.json is not built again."""
     flags, settings, defaults = recipe(tag)
     builds = read_builds(tag)
@@ -136,7 +136,7 @@ def build(tag, bases=4, first_seed=1, max_tries=12):
 
 
 def chosen_lrs(tag):
-    """Each method's lr as the lab's scan chose it on its first base (docs/<tag>/summary.json's settings)."""
+    """Each method's lr as the lab's scan chose it on its first base (experiments/labs/<tag>/summary.json's settings)."""
     with open(os.path.join(docs_dir(tag), "summary.json")) as f:
         lrs = json.load(f)["settings"]["lr"]
     return {m: lrs[m] for m in METHODS}
@@ -156,7 +156,7 @@ def sweep(tag, seeds, methods=METHODS):
 # ---- the analysis: each claim over bases ----------------------------------------------------------------------------
 def bases_summary(tag_dir, summary, prompts=32, last=10):
     """summary.json's "bases": the lab's first base (summary's runs, its 16 seeds) and every new base with result files
-    (docs/<tag>/bases/seed<N>/results/test-p<prompts>/), and for each claim (PACS - GRPO, - PPO, - critic-off) at
+    (experiments/labs/<tag>/bases/seed<N>/results/test-p<prompts>/), and for each claim (PACS - GRPO, - PPO, - critic-off) at
     pass@1, the lab's largest k and the final entropy: per base the paired mean and its t-interval, and over bases
     stats.over_bases (the mixed model with the base as a random intercept) beside the t-interval over base means,
     and on how many bases the mean has the first base's sign ("holds on"). None without a new base's results."""
@@ -239,7 +239,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["build", "sweep", "table"],
                    help="build the bases, run the replication sweep on them, or print summary.json's bases as markdown")
-    p.add_argument("--lab-tag", default="lab", help="the lab: docs/<tag>/ (lab or lab2)")
+    p.add_argument("--lab-tag", default="lab", help="the lab: experiments/labs/<tag>/ (lab or lab2)")
     p.add_argument("--bases", type=int, default=4, help="build: new bases to land in the window")
     p.add_argument("--first-seed", type=int, default=1, help="build: the first seed tried (the shipped base is 0)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3], help="sweep: RL seeds per base")

@@ -13,7 +13,7 @@ permutations of the detached sigma(psi) values, inside each group, separate the 
                      tie survives; the values, and so the size of the perturbation off 1/2, do
 
 so that, paired by seed, PACS - class-shuffled is the self-damping, class-shuffled - group-shuffled the ranking, and
-group-shuffled - critic-off the noise of the values themselves (docs/results.md, "What the critic does").
+group-shuffled - critic-off the noise of the values themselves (experiments/results.md, "What the critic does").
 
 The substitute p enters the loss the way pacs.pacs_loss(implicit_critic=False) puts 1/2 there: a loss whose gradient
 in psi is the BCE's at sigma(psi) = p,

@@ -1,7 +1,7 @@
 """What sigma(psi) reads in the lab: PACS's loop for a few rollouts from the shipped base, and for every response on
 mini-batches 1..M-1 its psi, its reward and how likely the sampler found it (log pi_old summed over its tokens,
 centred in its group). Prints, per bin of sigma(psi), the responses, their success rate, their length and their
-centred log pi_old; and the correlations behind the reliability diagram of docs/lab/lab_beta.png.
+centred log pi_old; and the correlations behind the reliability diagram of experiments/labs/lab/lab_beta.png.
 
     OMP_NUM_THREADS=1 python experiments/critic_probe.py --steps 40      # 46 s of CPU (7 min beside two runs)
 """

@@ -3,7 +3,7 @@
 A synthetic verifiable task (a two-digit number, then two additions or subtractions of 1..9, a worked solution,
 a boxed answer), a tokenizer of 24 tokens with a chat template, and a Qwen2ForCausalLM (2 layers, hidden 128)
 trained by supervised fine-tuning on the worked solutions and stopped where it is partly right, so that RL has
-both signal and headroom. pacs.py trains it and eval.py scores it unchanged (docs/lab/README.md):
+both signal and headroom. pacs.py trains it and eval.py scores it unchanged (experiments/labs/lab/README.md):
 
     python experiments/lab.py --out experiments/out_lab/lab --seed 0
     python pacs.py --model experiments/out_lab/lab/model --dataset experiments/out_lab/lab/train.jsonl \
@@ -49,11 +49,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
 SPLITS = ("test", "val", "train", "sft")  # filled in this order from one stream of distinct problems
 # The reference lab: the base model every committed lab result trained from (model/, lab.json, sft_log.jsonl); its
 # splits are not committed but regenerated from the seed (ensure_splits), checked against lab.json's hash.
-SHIPPED = os.path.join(ROOT, "docs", "lab", "base")
+SHIPPED = os.path.join(ROOT, "experiments", "labs", "lab", "base")
 
 
 def shipped_bases(tag_dir):
-    """A lab's shipped bases, docs/<tag>/base first, then docs/<tag>/bases/seed<N> in seed order: the same recipe
+    """A lab's shipped bases, experiments/labs/<tag>/base first, then experiments/labs/<tag>/bases/seed<N> in seed order: the same recipe
     (lab.py with the first base's settings) at other seeds, each a model, lab.json and sft_log.jsonl as the first."""
     more = os.path.join(tag_dir, "bases")
     seeds = sorted((int(d[4:]) for d in os.listdir(more) if d.startswith("seed") and d[4:].isdigit()
@@ -62,8 +62,8 @@ def shipped_bases(tag_dir):
 
 
 def results_root(lab_dir):
-    """Where a lab's result files live: docs/<tag>/results/ for a lab's first base (docs/<tag>/base), <lab_dir>/results/
-    for any other (docs/<tag>/bases/seed<N>, or a lab built elsewhere)."""
+    """Where a lab's result files live: experiments/labs/<tag>/results/ for a lab's first base (experiments/labs/<tag>/base), <lab_dir>/results/
+    for any other (experiments/labs/<tag>/bases/seed<N>, or a lab built elsewhere)."""
     lab_dir = os.path.abspath(lab_dir)
     if os.path.basename(lab_dir) == "base":
         return os.path.join(os.path.dirname(lab_dir), "results")
@@ -71,8 +71,8 @@ def results_root(lab_dir):
 
 
 def run_tag(lab_dir):
-    """The name of a lab's run dirs, experiments/out_<tag>/: <tag> for docs/<tag>/base, <tag>-seed<N> for
-    docs/<tag>/bases/seed<N> (two labs' seed<N> bases apart), the directory's name for a lab built elsewhere."""
+    """The name of a lab's run dirs, experiments/out_<tag>/: <tag> for experiments/labs/<tag>/base, <tag>-seed<N> for
+    experiments/labs/<tag>/bases/seed<N> (two labs' seed<N> bases apart), the directory's name for a lab built elsewhere."""
     lab_dir = os.path.abspath(lab_dir)
     parent = os.path.dirname(lab_dir)
     if os.path.basename(lab_dir) == "base":

@@ -7,7 +7,7 @@ A result file keeps pass@1..n over all problems; the per-problem counts live in 
 into the lab's results:
 
     python experiments/lab_problems.py experiments/out_lab2/test-p32-a experiments/out_lab2/test-p32-b \\
-        --into docs/lab2/results/problems-test-p32 --results docs/lab2/results/test-p32
+        --into experiments/labs/lab2/results/problems-test-p32 --results experiments/labs/lab2/results/test-p32
 
 <into>/<method>-s<seed>.json for every run directory (<method>-s<seed>/) whose last eval finished, and
 base-s<eval seed>.json from an eval_base/ (the sweep's, at eval.py's seed 0: the samples lab.json measured; another
@@ -18,7 +18,7 @@ With --table, the counts are read back instead: pass@1 and pass@n per method (me
 seed of the base model) on the test problems of each chain length (a lab solution writes one line per operation),
 printed as a markdown table:
 
-    python experiments/lab_problems.py --table docs/lab2/base/test.jsonl --into docs/lab2/results/problems-test-p32
+    python experiments/lab_problems.py --table experiments/labs/lab2/base/test.jsonl --into experiments/labs/lab2/results/problems-test-p32
 """
 import argparse
 import glob
@@ -146,9 +146,9 @@ def print_table(table):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("run_parents", nargs="*", help="sweep --out directories holding <method>-s<seed>/ and eval_base/")
-    p.add_argument("--into", required=True, help="where the counts go, e.g. docs/lab2/results/problems-test-p32")
+    p.add_argument("--into", required=True, help="where the counts go, e.g. experiments/labs/lab2/results/problems-test-p32")
     p.add_argument("--results", help="only runs with a result file here (the sweep's --results), e.g. "
-                                     "docs/lab2/results/test-p32")
+                                     "experiments/labs/lab2/results/test-p32")
     p.add_argument("--table", metavar="TEST_JSONL", help="read the counts in --into back instead: pass@1 and pass@n "
                                                          "per method by chain length, the problems from this file")
     args = p.parse_args(argv)

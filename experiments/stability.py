@@ -1,10 +1,10 @@
 """The paper's "more stable and efficient training", measured from a lab's committed result files alone: the
-metrics docs/stability.md defines (fixed before their numbers), summary.json's `stability` and `efficiency`
+metrics experiments/stability.md defines (fixed before their numbers), summary.json's `stability` and `efficiency`
 entries, and the whole summary.json recomputed without a figure (summary_json: what trend.py --summary-json
 writes, and what tests/test_regenerate.py checks every committed summary against).
 
-    python experiments/stability.py --table docs/lab          # the tables of docs/stability.md, from summary.json
-    python experiments/stability.py --figure docs/stability_lr.png docs/lab docs/lab2   # pass@1 against lr
+    python experiments/stability.py --table experiments/labs/lab          # the tables of experiments/stability.md, from summary.json
+    python experiments/stability.py --figure experiments/stability_lr.png experiments/labs/lab experiments/labs/lab2   # pass@1 against lr
 
 Per run (a result file's per-step metrics, T = 150 rollout steps): the drawdown of the smoothed training reward,
 the gradient norm's largest spike, whether the run ends below the base model, the mean training reward, the
@@ -216,7 +216,7 @@ def comparisons(summary, runs):
 
 
 def row_reading(paired, spread, metrics, family=FAMILY, level=0.05):
-    """The claims table's reading of a row (docs/stability.md, "What counts as an answer"): per (baseline in
+    """The claims table's reading of a row (experiments/stability.md, "What counts as an answer"): per (baseline in
     `family`, metric), whether the comparison favours PACS or the other at the row's Bonferroni threshold
     (level / tests) and at 95%; then "holds", "contradicted" or "not shown"."""
     threshold = level / (len(family) * len(metrics))
@@ -336,7 +336,7 @@ def summary_json(runs_root, lab_dir="", prompts=32, last=10, results_name=""):
     window = critic_window(runs_root)
     if window:  # the critic at every prompts per mini-batch, over the same first rollouts (axis-p*/)
         summary["critic_window"] = window
-    if lab_dir and os.path.basename(os.path.abspath(lab_dir)) == "base":  # the lab's other bases (docs/<tag>/bases/)
+    if lab_dir and os.path.basename(os.path.abspath(lab_dir)) == "base":  # the lab's other bases (experiments/labs/<tag>/bases/)
         over = bases_summary(os.path.dirname(os.path.abspath(lab_dir)), summary, prompts, last)
         if over:
             summary["bases"] = over
@@ -374,7 +374,7 @@ def _cell(p, scale=lambda x: x, fmt=".2f", det=None):
 
 
 def tables(summary):
-    """docs/stability.md's tables of one lab, Markdown, from its summary.json."""
+    """experiments/stability.md's tables of one lab, Markdown, from its summary.json."""
     st, ef = summary["stability"], summary["efficiency"]
     out = []
     if st["lr"]:
@@ -482,8 +482,8 @@ def plot_lr(labs, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--table", metavar="LAB_DOCS", help="print the tables of docs/stability.md for the lab whose "
-                   "summary.json is in LAB_DOCS (e.g. docs/lab)")
+    p.add_argument("--table", metavar="LAB_DOCS", help="print the tables of experiments/stability.md for the lab whose "
+                   "summary.json is in LAB_DOCS (e.g. experiments/labs/lab)")
     p.add_argument("--figure", nargs="+", metavar=("PATH", "LAB_DOCS"), help="PATH, then each lab's docs dir: "
                    "validation pass@1 against lr, a panel per lab")
     args = p.parse_args(argv)

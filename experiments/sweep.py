@@ -1,5 +1,5 @@
 """Running a sweep: the methods, the pacs.py and eval.py commands of each run, resume, and the small result file
-each finished run leaves (docs/lab/results/...), which counts as done: a sweep resumes from the committed files
+each finished run leaves (experiments/labs/lab/results/...), which counts as done: a sweep resumes from the committed files
 on a fresh machine. experiments/trend.py is the command line; this file is what it runs.
 """
 import json

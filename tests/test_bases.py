@@ -72,7 +72,7 @@ def test_the_recipe_is_the_first_bases_settings_and_it_lands_in_its_window(tag):
     for key, value in settings.items():
         if key not in ("out", "seed"):
             assert parsed[key] == value, key
-    built = json.load(open(os.path.join(ROOT, "docs", tag, "base", "lab.json")))
+    built = json.load(open(os.path.join(ROOT, "experiments", "labs", tag, "base", "lab.json")))
     assert bases.in_window(tag, built, settings, defaults)
     low = {**built, "test_pass@k": {**built["test_pass@k"], "1": 0.01}}
     assert not bases.in_window(tag, low, settings, defaults)
@@ -98,7 +98,7 @@ def _fake_lab_py(results):
 
 
 def test_build_ships_the_seeds_in_the_window_and_keeps_every_try(tmp_path, monkeypatch):
-    docs = tmp_path / "docs" / "lab"
+    docs = tmp_path / "experiments" / "labs" / "lab"
     (docs / "base").mkdir(parents=True)
     (docs / "base" / "lab.json").write_text(json.dumps({"settings": {"seed": 0, "eval_n": 64}}))
     monkeypatch.setattr(bases, "ROOT", str(tmp_path))
@@ -209,9 +209,9 @@ def test_table_prints_each_claims_numbers_from_the_entry():
 
 
 def test_table_without_a_bases_entry_is_a_one_line_error(tmp_path, monkeypatch, capsys):
-    (tmp_path / "docs" / "lab" / "base").mkdir(parents=True)
-    (tmp_path / "docs" / "lab" / "base" / "lab.json").write_text("{}")
-    (tmp_path / "docs" / "lab" / "summary.json").write_text(json.dumps({"runs": []}))
+    (tmp_path / "experiments" / "labs" / "lab" / "base").mkdir(parents=True)
+    (tmp_path / "experiments" / "labs" / "lab" / "base" / "lab.json").write_text("{}")
+    (tmp_path / "experiments" / "labs" / "lab" / "summary.json").write_text(json.dumps({"runs": []}))
     monkeypatch.setattr(bases, "ROOT", str(tmp_path))
     with pytest.raises(SystemExit) as e:
         bases.main(["table", "--lab-tag", "lab"])
@@ -220,11 +220,11 @@ def test_table_without_a_bases_entry_is_a_one_line_error(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("tag", ["lab", "lab2"])
 def test_a_committed_summarys_bases_follow_the_schema(tag):
-    summary = json.load(open(os.path.join(ROOT, "docs", tag, "summary.json")))
+    summary = json.load(open(os.path.join(ROOT, "experiments", "labs", tag, "summary.json")))
     if "bases" not in summary:
         pytest.skip(f"docs/{tag}/summary.json has no bases entry yet (no new base's runs committed)")
     check_bases_schema(summary["bases"])
-    shipped = [os.path.relpath(b, os.path.join(ROOT, "docs", tag)) for b in lab.shipped_bases(
-        os.path.join(ROOT, "docs", tag))]
+    shipped = [os.path.relpath(b, os.path.join(ROOT, "experiments", "labs", tag)) for b in lab.shipped_bases(
+        os.path.join(ROOT, "experiments", "labs", tag))]
     assert [b["base"] for b in summary["bases"]["bases"]] == [b for b in shipped if b in
                                                             {x["base"] for x in summary["bases"]["bases"]}]

@@ -1,4 +1,4 @@
-"""experiments/critic_probe.py: what sigma(psi) reads (the reliability diagram's explanation in docs/lab)."""
+"""experiments/critic_probe.py: what sigma(psi) reads (the reliability diagram's explanation in experiments/labs/lab)."""
 import os
 import sys
 

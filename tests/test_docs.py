@@ -5,10 +5,12 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = os.path.join(ROOT, "docs")
+DOCS, EXPERIMENTS = os.path.join(ROOT, "docs"), os.path.join(ROOT, "experiments")
+LABS = os.path.join(EXPERIMENTS, "labs")
 PAGES = (["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(DOCS)) if f.endswith(".md")]
-         + [os.path.join("docs", d, "README.md") for d in sorted(os.listdir(DOCS))
-            if os.path.isfile(os.path.join(DOCS, d, "README.md"))])  # docs/lab/, docs/lab2/
+         + [os.path.join("experiments", f) for f in sorted(os.listdir(EXPERIMENTS)) if f.endswith(".md")]
+         + [os.path.join("experiments", "labs", d, "README.md") for d in sorted(os.listdir(LABS))
+            if os.path.isfile(os.path.join(LABS, d, "README.md"))])  # the guides, the campaign's pages, each lab's
 LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target)
 
 
@@ -93,7 +95,7 @@ def test_pages_hold_no_control_characters(page):
 
 
 def test_the_results_page_stays_short():
-    """docs/results.md holds each question's current answer and the runs behind it; a superseded run is one line
+    """experiments/results.md holds each question's current answer and the runs behind it; a superseded run is one line
     naming the commit where its full section stands (git keeps it), so the page stays one a reader finishes."""
-    size = os.path.getsize(os.path.join(ROOT, "docs", "results.md"))
-    assert size <= 40 * 1024, f"docs/results.md is {size:,} bytes, over 40 kB: fold superseded runs into one line each"
+    size = os.path.getsize(os.path.join(EXPERIMENTS, "results.md"))
+    assert size <= 40 * 1024, f"experiments/results.md is {size:,} bytes, over 40 kB: fold superseded runs into one line each"

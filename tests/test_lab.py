@@ -239,11 +239,11 @@ def test_sft_loss_reads_only_the_solution_and_its_eos(splits):
         assert tok.decode(labels[i][labels[i] != -100]) == r["solution"] + tok.eos_token
 
 
-# ---- the shipped labs (docs/lab/base, and any docs/<tag>/base) --------------------------------------------
-# every base of every lab: docs/<tag>/base, and docs/<tag>/bases/seed<N> (experiments/bases.py), each tested alike
-SHIPPED_LABS = sorted(b for d in os.listdir(os.path.join(ROOT, "docs"))
-                      if os.path.isfile(os.path.join(ROOT, "docs", d, "base", "lab.json"))
-                      for b in lab.shipped_bases(os.path.join(ROOT, "docs", d)))
+# ---- the shipped labs (experiments/labs/lab/base, and any experiments/labs/<tag>/base) --------------------------------------------
+# every base of every lab: experiments/labs/<tag>/base, and experiments/labs/<tag>/bases/seed<N> (experiments/bases.py), each tested alike
+SHIPPED_LABS = sorted(b for d in os.listdir(os.path.join(ROOT, "experiments", "labs"))
+                      if os.path.isfile(os.path.join(ROOT, "experiments", "labs", d, "base", "lab.json"))
+                      for b in lab.shipped_bases(os.path.join(ROOT, "experiments", "labs", d)))
 
 
 def test_the_first_lab_is_shipped():
@@ -282,7 +282,7 @@ def test_a_shipped_labs_weights_are_the_ones_its_lab_json_names(base):
 
 
 def _result_files(base):
-    """Every result file under docs/<tag>/results/; problems-*/ holds lab_problems.py's per-problem counts, which
+    """Every result file under experiments/labs/<tag>/results/; problems-*/ holds lab_problems.py's per-problem counts, which
     tests/test_lab_problems.py ties to these (each count file gives back its result file's pass@k)."""
     root = lab.results_root(base)
     return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
@@ -291,8 +291,8 @@ def _result_files(base):
 
 @pytest.mark.parametrize("base", SHIPPED_LABS, ids=lambda p: os.path.relpath(p, ROOT))
 def test_every_committed_result_trained_from_its_shipped_base(base):
-    """docs/<tag>/results/** holds only runs from docs/<tag>/base's weights, each with the machine it ran on; runs
-    from another base live in an archive of their own (docs/<tag>/archive-<sha>/), each with that sha."""
+    """experiments/labs/<tag>/results/** holds only runs from experiments/labs/<tag>/base's weights, each with the machine it ran on; runs
+    from another base live in an archive of their own (experiments/labs/<tag>/archive-<sha>/), each with that sha."""
     sha = json.load(open(os.path.join(base, "lab.json")))["weights_sha256"]
     files = _result_files(base)
     if not files:

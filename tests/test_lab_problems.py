@@ -116,7 +116,7 @@ def test_rare_summary_needs_every_rare_problem_in_every_run(sweep_out, tmp_path)
         lab_summary.rare_summary(str(into), swept=2)
 
 
-COMMITTED = sorted(glob.glob(os.path.join(ROOT, "docs", "*", "results", "problems-*", "*.json")))
+COMMITTED = sorted(glob.glob(os.path.join(ROOT, "experiments", "labs", "*", "results", "problems-*", "*.json")))
 
 
 def test_the_committed_counts_agree_with_their_result_files_and_the_base_models_measurement():

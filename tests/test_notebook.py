@@ -225,7 +225,7 @@ def _audit(event, args):  # every path this kernel opens for writing, creates, m
         _written.update(_os.path.abspath(_os.fsdecode(a)) for a in args[:2] if isinstance(a, (str, bytes, _os.PathLike)))
 _sys.addaudithook(_audit)"""
 REPORT_WRITES = "import json as _json\nprint(_json.dumps(sorted(_written)))"
-MAY_WRITE = (re.escape(os.path.join(ROOT, "docs", "lab", "base")) + r"/(sft|train|val|test)\.jsonl",  # ensure_splits
+MAY_WRITE = (re.escape(os.path.join(ROOT, "experiments", "labs", "lab", "base")) + r"/(sft|train|val|test)\.jsonl",  # ensure_splits
              r".*/__pycache__(/.*)?")
 
 

@@ -17,9 +17,9 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import lab_summary  # noqa: E402
 import stability  # noqa: E402
 
-DOCS = os.path.join(ROOT, "docs")
-LABS = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(DOCS, "*", "summary.json"))
-              if os.path.isfile(os.path.join(os.path.dirname(p), "base", "lab.json")))  # docs/lab, docs/lab2
+LABS_DIR = os.path.join(ROOT, "experiments", "labs")
+LABS = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(LABS_DIR, "*", "summary.json"))
+              if os.path.isfile(os.path.join(os.path.dirname(p), "base", "lab.json")))  # experiments/labs/lab, experiments/labs/lab2
 SCANS = sorted(p for lab in LABS for p in glob.glob(os.path.join(lab, "scan*.json")))  # scan.json, scan-p4.json
 
 
@@ -62,7 +62,7 @@ def test_differences_reads_every_number_at_its_own_size():
 
 def test_there_are_summaries_and_scans_to_regenerate():
     assert {os.path.basename(d) for d in LABS} >= {"lab", "lab2"}
-    assert {os.path.relpath(p, DOCS) for p in SCANS} >= {"lab/scan.json", "lab/scan-p4.json", "lab2/scan.json"}
+    assert {os.path.relpath(p, LABS_DIR) for p in SCANS} >= {"lab/scan.json", "lab/scan-p4.json", "lab2/scan.json"}
 
 
 @pytest.mark.parametrize("lab_docs", LABS, ids=[os.path.basename(d) for d in LABS])
@@ -75,7 +75,7 @@ def test_every_committed_summary_regenerates_from_its_result_files(lab_docs):
                         f"committed file is one stability.summary_json does not compute: add it there): {diff[:8]}")
 
 
-@pytest.mark.parametrize("path", SCANS, ids=[os.path.relpath(p, DOCS) for p in SCANS])
+@pytest.mark.parametrize("path", SCANS, ids=[os.path.relpath(p, LABS_DIR) for p in SCANS])
 def test_every_committed_scan_regenerates_from_its_result_files(path):
     name = os.path.basename(path)  # scan.json: the sweep's 32 prompts a step; scan-p<N>.json: N
     prompts = int(name[len("scan-p"):-len(".json")]) if name.startswith("scan-p") else 32
@@ -88,7 +88,7 @@ def test_every_committed_scan_regenerates_from_its_result_files(path):
 @pytest.fixture(scope="module")
 def lab_copy(tmp_path_factory):
     """The first lab's sweep, scan, base lab.json and model config copied, with the summary.json they give."""
-    src, dst = os.path.join(DOCS, "lab"), tmp_path_factory.mktemp("regen") / "lab"
+    src, dst = os.path.join(LABS_DIR, "lab"), tmp_path_factory.mktemp("regen") / "lab"
     for sub in ("results/test-p32", "results/val-p32-lr5e-05", "results/val-p32-lr0.0001", "results/val-p32-lr0.0002"):
         shutil.copytree(os.path.join(src, sub), dst / sub)
     os.makedirs(dst / "base" / "model")
@@ -116,7 +116,7 @@ def test_a_summary_regenerates_until_a_result_file_changes(lab_copy):
 
 def test_a_p_value_halved_in_the_paired_entries_is_caught(monkeypatch):
     """The bug the suite once let through: p / 2 in the p_t every paired entry writes."""
-    runs = os.path.join(DOCS, "lab", "results")
+    runs = os.path.join(LABS_DIR, "lab", "results")
     honest = lab_summary.lab_summary(runs, prompts=32, last=10)
     paired_p = lab_summary.paired_p
     monkeypatch.setattr(lab_summary, "paired_p", lambda d: paired_p(d) / 2)

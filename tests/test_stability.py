@@ -1,4 +1,4 @@
-"""experiments/stability.py: the stability and efficiency metrics of docs/stability.md, each against a case computed
+"""experiments/stability.py: the stability and efficiency metrics of experiments/stability.md, each against a case computed
 by hand, and summary.json's `stability` and `efficiency` entries (their schema, on a synthetic lab and on every
 committed summary)."""
 import glob
@@ -172,12 +172,12 @@ def test_lr_robustness_is_each_methods_share_of_its_best_and_its_cliff_at_twice_
 def test_parameter_counts_are_the_policy_and_ppos_value_model_of_the_labs_config():
     """The lab's Qwen2 (2 layers, hidden 128, MLP 256, 24 tokens, tied embeddings) counted by hand, and PPO's value
     model: the same decoder without the (tied) LM head, and a scalar head with its bias."""
-    counts = stability.parameter_counts(os.path.join(ROOT, "docs", "lab", "base", "model"))
+    counts = stability.parameter_counts(os.path.join(ROOT, "experiments", "labs", "lab", "base", "model"))
     V, H, I, L = 24, 128, 256, 2
     per_layer = 4 * H * H + 3 * H + 3 * H * I + 2 * H  # q, k, v, o; the q, k, v biases; the MLP; two RMSNorms
     policy = V * H + L * per_layer + H  # the embedding (the LM head shares it) and the final norm
     assert counts == {"policy": policy, "value_model": policy + H + 1}
-    assert policy == json.load(open(os.path.join(ROOT, "docs", "lab", "base", "lab.json")))["parameters"]
+    assert policy == json.load(open(os.path.join(ROOT, "experiments", "labs", "lab", "base", "lab.json")))["parameters"]
     assert stability.parameter_counts(str(ROOT)) is None  # no config.json
 
 
@@ -306,9 +306,9 @@ def test_a_control_run_is_compared_as_its_own_method(tmp_path):
 
 
 def test_every_committed_lab_summary_has_stability_and_efficiency():
-    """docs/lab/summary.json and docs/lab2/summary.json (every lab that ships a base) carry both entries in their
+    """experiments/labs/lab/summary.json and experiments/labs/lab2/summary.json (every lab that ships a base) carry both entries in their
     schema, with the parameters counted from the shipped model and the base model's pass@1 from lab.json."""
-    labs = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(ROOT, "docs", "*", "summary.json"))
+    labs = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(ROOT, "experiments", "labs", "*", "summary.json"))
                   if os.path.isfile(os.path.join(os.path.dirname(p), "base", "lab.json")))
     assert {os.path.basename(d) for d in labs} >= {"lab", "lab2"}
     for lab in labs:

@@ -433,11 +433,11 @@ def test_lab_preset_fills_the_flags_left_unset(tmp_path):
     assert args.model == os.path.join(lab, "model") and args.dataset == os.path.join(lab, "train.jsonl")
     assert trend.parse_args(["--lab", os.path.relpath(lab)]).model == args.model  # absolute: runs start in ROOT
     assert args.eval_datasets == os.path.join(lab, "test.jsonl")
-    # a lab built elsewhere keeps its results inside it; a shipped one (docs/<tag>/base) in docs/<tag>/results/
+    # a lab built elsewhere keeps its results inside it; a shipped one (experiments/labs/<tag>/base) in experiments/labs/<tag>/results/
     assert args.results == os.path.join(lab, "results", "test-p32") and args.out.endswith("experiments/out_lab/test-p32")
     shipped = trend.parse_args(["--lab"])
-    assert shipped.model == os.path.join(sweep.ROOT, "docs", "lab", "base", "model")
-    assert shipped.results == os.path.join(sweep.ROOT, "docs", "lab", "results", "test-p32")
+    assert shipped.model == os.path.join(sweep.ROOT, "experiments", "labs", "lab", "base", "model")
+    assert shipped.results == os.path.join(sweep.ROOT, "experiments", "labs", "lab", "results", "test-p32")
     assert shipped.out == os.path.join(sweep.ROOT, "experiments", "out_lab", "test-p32")
     other = _fake_lab(tmp_path / "docs" / "lab2" / "base")
     json.dump({"weights_sha256": "cd" * 32, "settings": {"max_new_tokens": 48, "eval_n": 256}},
@@ -446,7 +446,7 @@ def test_lab_preset_fills_the_flags_left_unset(tmp_path):
     assert (second.max_new_tokens, second.eval_n) == (48, 256) and (args.max_new_tokens, args.eval_n) == (32, 64)
     assert second.results == str(tmp_path / "docs" / "lab2" / "results" / "test-p32")
     assert second.out.endswith("experiments/out_lab2/test-p32")
-    # a lab's other bases (docs/<tag>/bases/seed<N>): results inside each, run dirs apart from another lab's seed<N>
+    # a lab's other bases (experiments/labs/<tag>/bases/seed<N>): results inside each, run dirs apart from another lab's seed<N>
     for tag in ("lab", "lab2"):
         seed2 = trend.parse_args(["--lab", _fake_lab(tmp_path / "docs" / tag / "bases" / "seed2")])
         assert seed2.results == str(tmp_path / "docs" / tag / "bases" / "seed2" / "results" / "test-p32")
@@ -476,7 +476,7 @@ SUMMARY_RUN_KEYS = {"method", "seed", "pass@1", "pass@64", "final_reward", "fina
 
 
 def check_summary_schema(summary):
-    """The schema of docs/lab/summary.json (and a few more settings): the keys and their types. The first sweep's
+    """The schema of experiments/labs/lab/summary.json (and a few more settings): the keys and their types. The first sweep's
     (the archive's) predates beta_axis and calibration."""
     assert {"settings", "runs", "axis", "paired", "wall_s"} <= set(summary) <= {
         "settings", "runs", "axis", "paired", "wall_s", "beta_axis", "calibration", "base", "rare", "control",
@@ -652,7 +652,7 @@ def test_a_control_at_another_lr_is_paired_with_pacs_and_with_its_own_method(tmp
 @pytest.mark.parametrize("tag, eval_n", [("lab", 64), ("lab2", 256)])
 def test_summary_base_is_the_shipped_labs_measured_pass_at_k(tag, eval_n):
     """summary.json's "base": the base model's pass@1..eval_n as lab.py measured it (lab.json), tied to the weights."""
-    lab_dir = os.path.join(sweep.ROOT, "docs", tag, "base")
+    lab_dir = os.path.join(sweep.ROOT, "experiments", "labs", tag, "base")
     base = lab_summary.base_entry(lab_dir)
     built = json.load(open(os.path.join(lab_dir, "lab.json")))
     assert base["eval_n"] == eval_n and len(base["pass@k"]) == eval_n
@@ -660,7 +660,7 @@ def test_summary_base_is_the_shipped_labs_measured_pass_at_k(tag, eval_n):
     assert base["pass@k"]["1"] == pytest.approx(built["test_pass@k"]["1"], abs=1e-5)
     assert base["pass@k"][str(eval_n)] == pytest.approx(built["test_pass@k"][str(eval_n)], abs=1e-5)
     assert list(base["pass@k"]) == [str(k) for k in range(1, eval_n + 1)]  # in k's order, not the string's
-    assert lab_summary.base_entry(os.path.join(sweep.ROOT, "docs", tag)) is None  # no lab.json there
+    assert lab_summary.base_entry(os.path.join(sweep.ROOT, "experiments", "labs", tag)) is None  # no lab.json there
 
 
 def test_a_lab_sweeps_summary_json_carries_its_base_model(tmp_path, monkeypatch):
@@ -752,16 +752,16 @@ def test_lab_scan_picks_each_methods_best_mean_validation_pass1(tmp_path, capsys
         lab_summary.lab_scan(str(tmp_path / "nothing"))
 
 
-LAB_DOCS = os.path.join(sweep.ROOT, "docs", "lab")
+LAB_DOCS = os.path.join(sweep.ROOT, "experiments", "labs", "lab")
 ARCHIVE = os.path.join(LAB_DOCS, "archive-7e4899b1")  # the first sweep's files, from a base that was not committed
 
 
 def test_every_committed_lab_summary_follows_the_schema_and_names_its_shipped_base():
-    """docs/<lab>/summary.json, for every lab that ships a base (the first lab's at least): the schema, and the
+    """experiments/labs/<lab>/summary.json, for every lab that ships a base (the first lab's at least): the schema, and the
     weights it summarises are the ones that lab ships (lab.json's sha256), its base pass@k the one lab.json measured."""
-    labs = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(sweep.ROOT, "docs", "*", "summary.json"))
+    labs = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(sweep.ROOT, "experiments", "labs", "*", "summary.json"))
                   if os.path.isfile(os.path.join(os.path.dirname(p), "base", "lab.json")))
-    assert LAB_DOCS in labs, "docs/lab/summary.json is missing"
+    assert LAB_DOCS in labs, "experiments/labs/lab/summary.json is missing"
     for lab in labs:
         summary = json.load(open(os.path.join(lab, "summary.json")))
         check_summary_schema(summary)
