@@ -80,10 +80,10 @@ class Config:
     balance: bool = _opt(True, "PACS: class-balanced BCE weights per group (official weight_mode=question)")
     implicit_critic: bool = _opt(True, "PACS: the critic sigma(psi) in the gradient; --no-implicit-critic "
                                  "puts 1/2 in its place (the ablation that isolates the critic)")
-    ref_reset_every: int = _opt(1, "PACS: pi_ref of r_hat. 1 = pi_old, the policy that sampled each rollout "
-                                "(the official code); K >= 2 = a frozen copy of the weights, reset to pi_theta "
-                                "with AdamW's state every K rollout steps (paper v2); 0 = never reset (Eq. 7's "
-                                "fixed pi_ref)")
+    ref_reset_every: int = _opt(1, "PACS: pi_ref of r_hat. 1 = pi_old, the policy that sampled each "
+                                "rollout (the official code); K >= 2 = a frozen copy of the weights, reset "
+                                "to pi_theta with AdamW's state every K rollout steps (paper v2); 0 = never "
+                                "reset (Eq. 7's fixed pi_ref)")
     ref_reset_optimizer: bool = _opt(True, "PACS, --ref-reset-every K >= 2: clear AdamW's moments and step "
                                      "count at each reset (paper v2); --no-ref-reset-optimizer keeps them")
     loss_agg: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
