@@ -12,7 +12,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README_BYTES = 24_000  # a ten-minute read; the rest lives in docs/
+README_BYTES = 24_000
+README_WORDS = 1_500  # a ten-minute read; the guides live in docs/, the evidence in experiments/
 FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")  # --num-mini-batches, --no_balance
 SCRIPT = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.py)\b")  # pacs.py, benchmarks/vs_trl.py
 
@@ -83,9 +84,12 @@ def help_text(script):
     return text
 
 
-def test_readme_fits_its_byte_budget():
+def test_readme_fits_its_budget():
     size = os.path.getsize(os.path.join(ROOT, "README.md"))
     assert size <= README_BYTES, f"README.md is {size:,} bytes, over its budget of {README_BYTES:,}: move detail to docs/"
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        words = len(f.read().split())  # as `wc -w` counts them, code blocks included
+    assert words <= README_WORDS, f"README.md has {words:,} words, over {README_WORDS:,}: move detail to docs/"
 
 
 def test_every_flag_the_readme_shows_is_in_the_help_of_its_script():
@@ -139,19 +143,21 @@ def paper_to_code_rows():
     return [row.strip("|").split(" | ", 1)[1] for row in rows if not set(row) <= set("|- ")]
 
 
-def test_every_pacs_function_the_paper_to_code_map_names_exists_at_its_line():
+def test_every_pacs_function_the_paper_to_code_map_names_exists():
+    """The map links each function by name to pacs.py (no line anchor, which any edit above it would move) and
+    quotes code and signatures that must be pacs.py's."""
     functions, source = pacs_functions(), pacs_source()
     flat = " ".join(source.split())
     rows = paper_to_code_rows()
-    assert len(rows) >= 8, rows
+    assert len(rows) >= 6, rows
     problems, linked = [], set()
     for row in rows:
-        for name, line in re.findall(r"\[`(\w+)`\]\(pacs\.py#L(\d+)\)", row):
+        for name, anchor in re.findall(r"\[`(\w+)`\]\(pacs\.py(#[^)]*)?\)", row):
             linked.add(name)
             if name not in functions:
                 problems.append(f"{name}: no such function in pacs.py")
-            elif functions[name][0] != int(line):
-                problems.append(f"{name}: linked at line {line}, defined at line {functions[name][0]}")
+            if anchor:
+                problems.append(f"{name}: linked with {anchor}; link the file, the name finds the function")
         for span in re.findall(r"`([^`]+)`", re.sub(r"\[`\w+`\]\([^)]*\)", "", row)):  # spans outside links
             if span.startswith("--") or span.endswith(".py"):
                 continue  # flags: the flag test; files: the link test
