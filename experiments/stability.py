@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bases import bases_summary  # noqa: E402  (each claim over the lab's bases)
 from lab_summary import (base_entry, control_summary, critic_window, decomposition_summary, lab_results,  # noqa: E402
                          lab_scan, lab_summary, p_value, paired_entry, rare_summary, rounded)
+from reference import ablation_summary, reference_summary  # noqa: E402  (the paper's pi_ref, v2's ablations)
 from stats import t_interval  # noqa: E402
 from sweep import CLAIMS, SweepError  # noqa: E402
 
@@ -333,6 +334,12 @@ def summary_json(runs_root, lab_dir="", prompts=32, last=10, results_name=""):
     decomposition = decomposition_summary(runs_root, summary, last)
     if decomposition:  # the critic controls: PACS's margin over critic-off, part by part
         summary["decomposition"] = decomposition
+    reference = reference_summary(runs_root, summary, base["pass@k"]["1"] if base else None, prompts)
+    if reference:  # the paper's pi_ref: PACS with --ref-reset-every K against K = 1 (experiments/reference.py)
+        summary["reference"] = reference
+    ablations = ablation_summary(summary, prompts)
+    if ablations:  # paper v2's ablations at PACS's lr, each against PACS
+        summary["v2_ablations"] = ablations
     window = critic_window(runs_root)
     if window:  # the critic at every prompts per mini-batch, over the same first rollouts (axis-p*/)
         summary["critic_window"] = window
