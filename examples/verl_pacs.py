@@ -31,7 +31,7 @@ pi_old is verl's `old_log_probs`, recomputed by the actor right after sampling; 
 Load it the way verl loads external modules, in the driver and in every worker: with `examples/` on PYTHONPATH,
 `VERL_USE_EXTERNAL_MODULES=verl_pacs` (read by `import verl`). The settings, the official run's (ritzz-ai/PACS
 scripts/pacs/pacs_beta_1.0.sh: 1024 prompts x 8 samples per rollout, 4 optimizer steps of 256 prompts, a micro-batch
-of one group, AdamW at 1e-6, no gradient clipping, no KL or entropy term) on 8 GPUs of one node:
+of one group, AdamW at 1e-6, no gradient clipping, no KL or entropy term), with verl's default trainer on one GPU:
 
     PYTHONPATH=$PWD/examples VERL_USE_EXTERNAL_MODULES=verl_pacs python -m verl.trainer.main_ppo \\
         algorithm.adv_estimator=pacs_label actor_rollout_ref.actor.policy_loss.loss_mode=pacs \\
@@ -40,14 +40,15 @@ of one group, AdamW at 1e-6, no gradient clipping, no KL or entropy term) on 8 G
         actor_rollout_ref.actor.shuffle=False actor_rollout_ref.actor.use_dynamic_bsz=False \\
         actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.entropy_coeff=0 \\
         actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.optim.clip_grad=1e9 \\
-        algorithm.use_kl_in_reward=False trainer.n_gpus_per_node=8 trainer.nnodes=1 \\
+        algorithm.use_kl_in_reward=False trainer.n_gpus_per_node=1 trainer.nnodes=1 \\
         actor_rollout_ref.model.path=... data.train_files=... data.val_files=... actor_rollout_ref.rollout.name=vllm
 
-With several ranks the V1 trainer's balancing splits groups and the estimator stops the run (docs/porting.md, "On
-current verl"). PACS's beta, estimator and class balance are not verl config fields: loss_mode `pacs` is beta 1,
-RLOO, balanced (the official run); `register("pacs_beta2", beta=2.0)` in a module of your own, loaded the same way,
-registers another. tests/test_verl_pacs.py runs this plugin in verl's own training engine on a CPU and checks its
-gradients and weights against pacs.py's.
+With several ranks the default (V1) trainer's balancing splits groups and the estimator stops the run; the legacy
+trainer keeps the order (add trainer.use_v1=False trainer.balance_batch=False; read from verl's source, not run):
+docs/porting.md, "On current verl". PACS's beta, estimator and class balance are not verl config fields: loss_mode
+`pacs` is beta 1, RLOO, balanced (the official run); `register("pacs_beta2", beta=2.0)` in a module of your own,
+loaded the same way, registers another. tests/test_verl_pacs.py runs this plugin in verl's own training engine on a
+CPU and checks its gradients and weights against pacs.py's.
 """
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ def register(name, beta=1.0, estimator="rloo", balance=True):
 
     def pacs_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
                          rollout_is_weights=None):
-        """(loss, metrics) of one micro-batch of b rows: log_prob, old_log_prob, advantages, response_mask (b, T)."""
+        """(loss, metrics) of one micro-batch of b rows: log_prob, old_log_prob, advantages, response_mask (b, T).
+        loss_agg_mode (verl's token aggregation) does not apply: r_hat sums over tokens, the BCE averages over rows."""
         check_actor_config(config)
         if rollout_is_weights is not None:
             raise ValueError("PACS takes no rollout-correction weights: leave algorithm.rollout_correction unset")

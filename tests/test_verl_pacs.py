@@ -13,7 +13,7 @@ verl has no CPU platform, so this file registers one with verl's platform layer 
 not the plugin's); VERL_ENGINE_DEVICE=cuda finds the FSDP engine, which is registered for cuda and npu only. The
 run is FSDP2 (FSDP1 refuses CPU parameters with sync_module_states), fp32 mixed precision (else the forward
 autocasts to bf16), eager attention, no torch.compile. Skips without verl: pip install -r
-examples/requirements-verl.txt.
+examples/requirements-verl.txt && pip install --no-deps verl==0.9.1.
 """
 import contextlib
 import importlib.util
@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("verl") is None,
-                                 reason="verl is not installed: pip install -r examples/requirements-verl.txt"),
+INSTALL = "pip install -r examples/requirements-verl.txt && pip install --no-deps verl==0.9.1"
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason=f"verl is not installed: {INSTALL}"),
               pytest.mark.usefixtures("verl_on_cpu")]  # every test: verl resolves its platform once, to this one
 
 from trl_fixed_rollout import PROBLEMS, RecordingSGD, make_rollout, patch_pacs, prompt_ids  # noqa: E402
@@ -223,7 +223,8 @@ def reference(tiny_model_dir):
 
 @pytest.mark.parametrize("remove_padding", [True, False], ids=["remove-padding", "padded"])
 def test_verl_engine_update_equals_pacs(reference, tiny_model_dir, remove_padding):
-    import verl_pacs  # noqa: F401  (registers pacs_label and pacs, as VERL_USE_EXTERNAL_MODULES=verl_pacs does)
+    from verl.utils.import_utils import import_external_libs
+    import_external_libs("verl_pacs")  # what `import verl` does with VERL_USE_EXTERNAL_MODULES=verl_pacs
     pacs_grads, pacs_weights, pacs_metrics, order, tokenizer, table = reference
     cfg = verl_config(tiny_model_dir, remove_padding)
     grads, weights, metrics = run_verl(cfg, tokenizer, table, order)
