@@ -275,7 +275,8 @@ def check_run_config(args, has_rows):
     if has_rows and os.path.isfile(path):
         diff = pacs.changed_settings(path, mine)
         if diff:
-            raise ConfigError(f"{args.out} holds samples taken with other settings ({'; '.join(diff)}); use another --out")
+            raise ConfigError(f"{args.out} holds samples taken with other settings ({'; '.join(diff)}); "
+                              "use another --out")
     else:
         with open(path, "w") as f:
             json.dump(mine, f, indent=2)

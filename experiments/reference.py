@@ -132,8 +132,9 @@ def tables(summary):
         out += [f"| {period(a)} | {a['seeds']} | {ci(a['pass@1'])} | {diff(a['paired'], 'pacs', 'pass@1')} | "
                 f"{diff(a['paired'], 'grpo', 'pass@1')} | {diff(a['paired'], 'ppo', 'pass@1')} | "
                 f"{diff(a['paired'], 'pacs', 'pass@64')} |" for a in ref["arms"]]
-        out += ["", "| reset period K | σ(ψ) AUC, run | AUC, first mini-batch | mean \\|ψ\\| | \\|ψ\\| after a reset → "
-                "before the next | final entropy − PACS | below the base |", "|---|---:|---:|---:|---:|---:|---:|"]
+        out += ["", "| reset period K | σ(ψ) AUC, run | AUC, first mini-batch | mean \\|ψ\\| "
+                "| \\|ψ\\| after a reset → before the next | final entropy − PACS | below the base |",
+                "|---|---:|---:|---:|---:|---:|---:|"]
         out += [f"| {period(a)} | {ci(a['critic_auc'])} | {ci(a['critic_auc_first'])} | {ci(a['psi_abs'], '.2f')} | "
                 f"{ci(a['psi_abs_after_reset'], '.2f')} → {ci(a['psi_abs_before_reset'], '.2f')} | "
                 f"{diff(a['paired'], 'pacs', 'final_entropy')} | {a['diverged']} of {a['seeds']} |"
@@ -165,8 +166,8 @@ def plot(summary, path):
                 continue
             x = [p[0] for p in pts]
             y = [p[1]["mean"] for p in pts]
-            err = [[p[1]["mean"] - (p[1]["ci95_t"][0] if p[1]["ci95_t"][0] is not None else p[1]["mean"]) for p in pts],
-                   [(p[1]["ci95_t"][1] if p[1]["ci95_t"][1] is not None else p[1]["mean"]) - p[1]["mean"] for p in pts]]
+            bounds = [[b if b is not None else p[1]["mean"] for b in p[1]["ci95_t"]] for p in pts]
+            err = [[m - lo for m, (lo, _) in zip(y, bounds)], [hi - m for m, (_, hi) in zip(y, bounds)]]
             ax.errorbar(x, y, yerr=err, fmt=marker + ("-" if clears else ""), capsize=3, label=name)
         if key == "critic_auc":
             pts = [(order[a["ref_reset_every"]], a["critic_auc_first"]) for a in arms

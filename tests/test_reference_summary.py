@@ -20,7 +20,8 @@ PASS1 = {"pacs": 0.50, "pacs-ref4": 0.53, "pacs-ref-never": 0.20, "grpo": 0.55, 
 
 def write_result(root, method, seed, psi_abs, auc_first):
     steps = len(psi_abs)
-    result = {"method": method, "seed": seed, "settings": {**SETTINGS, "pacs_flags": ["--algo", method, "--beta", "1.0"]},
+    flags = ["--algo", method, "--beta", "1.0"]
+    result = {"method": method, "seed": seed, "settings": {**SETTINGS, "pacs_flags": flags},
               "metrics": {"reward": [0.1] * steps, "entropy": [0.2 + 0.01 * seed] * steps,
                           "critic_auc": [0.55] * steps, "critic_pairs": [4] * steps, "psi_abs": psi_abs,
                           "critic_auc_first": auc_first},
@@ -52,7 +53,8 @@ def test_psi_growth_reads_the_period_after_a_reset_and_before_the_next():
     assert reference.psi_growth(rows, 4) == {"after_reset": 1.25, "before_reset": 3.25}
     assert reference.psi_growth(rows, 1) is None
     long = [{"psi_abs": float(s)} for s in range(40)]
-    assert reference.psi_growth(long, 0) == {"after_reset": np.mean(range(1, 16)), "before_reset": np.mean(range(25, 40))}
+    assert reference.psi_growth(long, 0) == {"after_reset": np.mean(range(1, 16)),
+                                              "before_reset": np.mean(range(25, 40))}
 
 
 def test_each_arm_is_paired_with_pacs_and_the_baselines(summary):
