@@ -6,7 +6,9 @@
 Math-Verify is a benchmark peer, not a dependency: install it in a scratch venv
 (`python3 -m venv /tmp/mv && /tmp/mv/bin/pip install "math-verify[antlr4_13_2]"`) and pass
 that interpreter with --mv-python (or run this file in an env where `math_verify` imports).
-Cases are JSONL rows {response, answer, expected[, category]}; default tests/verify_cases.jsonl.
+Cases are JSONL rows {response, answer, expected[, category][, source]}; default tests/verify_cases.jsonl, the
+project's own cases, which verify.py's rules were written against. benchmarks/verify_cases_external.jsonl holds
+cases no rule was written against, from two other graders' test suites (benchmarks/external_cases.py).
 Each checker gets a warm-up call, then `--repeat` timed passes (the best pass is reported;
 verify.py's result cache is cleared before every pass, so no pass is served from it).
 """
@@ -82,6 +84,8 @@ def main():
     p.add_argument("--mv-python", help="interpreter that has math_verify installed")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--show", action="store_true", help="list the cases each checker gets wrong")
+    p.add_argument("--by-source", action="store_true",
+                   help="accuracy per source too: a row's category up to its first '/' (math-verify, hendrycks-math)")
     p.add_argument("--math-verify-only", action="store_true", help=argparse.SUPPRESS)  # child mode
     args = p.parse_args()
     rows = load(args.files)
@@ -89,7 +93,8 @@ def main():
         got, secs = run_math_verify(rows, args.repeat)
         print(json.dumps({"got": got, "secs": secs}))
         return
-    print(f"{len(rows)} cases ({sum(not r['expected'] for r in rows)} expected false) from {', '.join(map(os.path.relpath, args.files))}")
+    print(f"{len(rows)} cases ({sum(not r['expected'] for r in rows)} expected false) from "
+          f"{', '.join(map(os.path.relpath, args.files))}")
     got, secs = run_verify(rows, args.repeat)
     ours = report("verify.py", rows, got, secs)
     results = {"verify.py": got}
@@ -108,6 +113,17 @@ def main():
         theirs = report("math-verify", rows, mv["got"], mv["secs"])
         results["math-verify"] = mv["got"]
         print(f"speed ratio: verify.py is {ours / theirs:.1f}x math-verify")
+    if args.by_source:
+        sources = {}
+        for i, r in enumerate(rows):
+            sources.setdefault(r.get("category", "").split("/")[0], []).append(i)
+        for name, got in results.items():
+            for source, idx in sources.items():
+                right = sum(bool(got[i]) == bool(rows[i]["expected"]) for i in idx)
+                fp = sum(bool(got[i]) and not rows[i]["expected"] for i in idx)
+                fn = sum(rows[i]["expected"] and not got[i] for i in idx)
+                print(f"  {name:<12} {source or '(none)':<16} accuracy {right}/{len(idx)} = {right / len(idx):.4f}   "
+                      f"false positives {fp:>3}   false negatives {fn:>3}")
     if args.show:
         for name, got in results.items():
             for r, g in zip(rows, got):

@@ -8,13 +8,14 @@ whole recipe, the population a reader's "on this kind of task" refers to. The fi
 whose build lands in the lab's window (the one the first base was built to meet) are shipped, a miss is kept in
 bases/builds.json and reported, not hidden:
 
-    python experiments/bases.py build --lab-tag lab --bases 4     # experiments/labs/lab/bases/seed<N>/ and bases/builds.json
+    python experiments/bases.py build --lab-tag lab --bases 4     # experiments/labs/lab/bases/seed<N>/, builds.json
     python experiments/bases.py sweep --lab-tag lab --seeds 0 1   # PACS, critic-off, GRPO, PPO on every new base
     python experiments/trend.py --lab ... --summary-json experiments/labs/lab/summary.json   # summary.json's "bases"
     python experiments/bases.py table --lab-tag lab               # its claims as the markdown table docs/ quotes
 
-The sweep runs each method at the lr the lab's scan chose on its first base (experiments/labs/<tag>/summary.json's settings): no
-scan per base. Seed-major: every base gets seed 0 before any gets seed 1, so a sweep cut short has every base.
+The sweep runs each method at the lr the lab's scan chose on its first base (experiments/labs/<tag>/summary.json's
+settings): no scan per base. Seed-major: every base gets seed 0 before any gets seed 1, so a sweep cut short has
+every base.
 """
 import argparse
 import json
@@ -92,8 +93,8 @@ def write_builds(tag, flags, builds):
 
 def build(tag, bases=4, first_seed=1, max_tries=12):
     """Build seeds first_seed, first_seed + 1, ... until `bases` of them land in the window (at most max_tries seeds);
-    ship each that does as experiments/labs/<tag>/bases/seed<N>/ (model/, lab.json, sft_log.jsonl). Resumable: a seed already in
-    builds.json is not built again."""
+    ship each that does as experiments/labs/<tag>/bases/seed<N>/ (model/, lab.json, sft_log.jsonl). Resumable: a
+    seed already in builds.json is not built again."""
     flags, settings, defaults = recipe(tag)
     builds = read_builds(tag)
     done = {b["seed"] for b in builds}
@@ -101,7 +102,7 @@ def build(tag, bases=4, first_seed=1, max_tries=12):
     while sum(b["in_window"] for b in builds) < bases:
         if seed >= first_seed + max_tries:
             raise SweepError(f"{tag}: only {sum(b['in_window'] for b in builds)} of {max_tries} seeds landed in the "
-                             f"window; see docs/{tag}/bases/{BUILDS}")
+                             f"window; see experiments/labs/{tag}/bases/{BUILDS}")
         if seed in done:
             seed += 1
             continue
@@ -136,7 +137,8 @@ def build(tag, bases=4, first_seed=1, max_tries=12):
 
 
 def chosen_lrs(tag):
-    """Each method's lr as the lab's scan chose it on its first base (experiments/labs/<tag>/summary.json's settings)."""
+    """Each method's lr as the lab's scan chose it on its first base (experiments/labs/<tag>/summary.json's
+    settings)."""
     with open(os.path.join(docs_dir(tag), "summary.json")) as f:
         lrs = json.load(f)["settings"]["lr"]
     return {m: lrs[m] for m in METHODS}
@@ -155,11 +157,13 @@ def sweep(tag, seeds, methods=METHODS):
 
 # ---- the analysis: each claim over bases ----------------------------------------------------------------------------
 def bases_summary(tag_dir, summary, prompts=32, last=10):
-    """summary.json's "bases": the lab's first base (summary's runs, its 16 seeds) and every new base with result files
-    (experiments/labs/<tag>/bases/seed<N>/results/test-p<prompts>/), and for each claim (PACS - GRPO, - PPO, - critic-off) at
-    pass@1, the lab's largest k and the final entropy: per base the paired mean and its t-interval, and over bases
-    stats.over_bases (the mixed model with the base as a random intercept) beside the t-interval over base means,
-    and on how many bases the mean has the first base's sign ("holds on"). None without a new base's results."""
+    """summary.json's "bases": the lab's first base (summary's runs, its 16 seeds) and every new base with result
+    files (experiments/labs/<tag>/bases/seed<N>/results/test-p<prompts>/), and for each claim (PACS - GRPO, - PPO,
+    - critic-off) at pass@1, the lab's largest k and the final entropy: per base the paired mean and its t-interval,
+    and over bases stats.over_bases (the mixed model with the base as a random intercept: its REML optimum, whether
+    it was reached, each base's share of the weight) beside the t-interval over base means, and on how many bases
+    the mean of the base's seeds (2 on a new base) has the first base's sign ("holds on"). None without a new base's
+    results."""
     runs_by_base, info = {}, []
     for i, base in enumerate(lab.shipped_bases(tag_dir)):
         results = lab.results_root(base)
@@ -197,9 +201,12 @@ def bases_summary(tag_dir, summary, prompts=32, last=10):
             claims.append({"a": a, "b": b, "metric": metric, "per_base": per_base,
                            "over_bases": {"mean": rounded(fit["mean"]), "se": rounded(fit["se"]),
                                           "ci95": [rounded(c) for c in fit["ci"]], "df": fit["df"],
-                                          "between_sd": rounded(fit["between_sd"]), "within_sd": rounded(fit["within_sd"]),
-                                          "boundary": fit["boundary"]},
-                           "t_over_base_means": {"mean": rounded(means[0]), "ci95": [rounded(means[1]), rounded(means[2])]},
+                                          "between_sd": rounded(fit["between_sd"]),
+                                          "within_sd": rounded(fit["within_sd"]), "boundary": fit["boundary"],
+                                          "converged": fit["converged"],
+                                          "weights": [rounded(w) for w in fit["weights"]]},
+                           "t_over_base_means": {"mean": rounded(means[0]),
+                                                 "ci95": [rounded(means[1]), rounded(means[2])]},
                            "holds_on": holds, "of": len(per_base)})
     return {"methods": list(METHODS), "large_k": large, "bases": info, "claims": claims}
 
@@ -209,24 +216,34 @@ def fmt(x):
 
 
 def table(entry):
-    """summary.json's "bases" as markdown: per claim the first base's paired mean (its seeds), each new base's, the
-    interval over bases (mixed model, t with K - 1 df), the between- and within-base SD, and on how many bases the
-    mean has the first base's sign."""
+    """summary.json's "bases" as markdown: per claim the first base's paired mean (its seeds), each new base's; over
+    bases the mixed model's interval (t with K - 1 df) beside the t-interval over the K base means, the first base's
+    share of the mixed model's weight, the between- and within-base SD, and on how many bases the mean of the base's
+    seeds has the first base's sign."""
     names = [b["base"] for b in entry["bases"]]
     seeds = {b["base"]: b["seed"] for b in entry["bases"]}
-    head = ["claim", "metric"] + [f"base {seeds[n]}" for n in names] + ["over bases [95%]", "between SD",
-                                                                         "within SD", "holds on"]
+    head = ["claim", "metric"] + [f"base {seeds[n]}" for n in names] + [
+        "mixed model [95%]", "t over base means [95%]", f"base {seeds[names[0]]}'s weight", "between SD", "within SD",
+        "holds on"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
     for c in entry["claims"]:
         per = {p["base"]: p for p in c["per_base"]}
         cells = [f"{fmt(per[n]['mean'])} ({per[n]['seeds']})" if n in per else "" for n in names]
-        o = c["over_bases"]
-        over = f"{fmt(o['mean'])} [{fmt(o['ci95'][0])}, {fmt(o['ci95'][1])}]" + (" ‡" if o["boundary"] else "")
+        o, t = c["over_bases"], c["t_over_base_means"]
+        over = (f"{fmt(o['mean'])} [{fmt(o['ci95'][0])}, {fmt(o['ci95'][1])}]" + (" ‡" if o["boundary"] else "")
+                + ("" if o.get("converged", True) else " (no REML optimum found)"))
+        means = f"{fmt(t['mean'])} [{fmt(t['ci95'][0])}, {fmt(t['ci95'][1])}]"
+        weights = dict(zip([p["base"] for p in c["per_base"]], o.get("weights") or []))
+        share = "–" if weights.get(names[0]) is None else f"{weights[names[0]]:.2f}"
         lines.append("| " + " | ".join([f"{c['a']} − {c['b']}", c["metric"].replace("final_entropy", "entropy"),
-                                        *cells, over, f"{o['between_sd']:.3f}", f"{o['within_sd']:.3f}",
-                                        f"{c['holds_on']} of {c['of']}"]) + " |")
-    return "\n".join(lines) + "\n\n(n): RL seeds on that base; base 0 is the shipped base. ‡: the between-base " \
-        "variance sits on its boundary (0).\n"
+                                        *cells, over, means, share, f"{o['between_sd']:.3f}",
+                                        f"{o['within_sd']:.3f}", f"{c['holds_on']} of {c['of']}"]) + " |")
+    return "\n".join(lines) + (
+        "\n\n(n): RL seeds on that base; base 0 is the shipped base. Mixed model: the base a random intercept, "
+        "REML (stats.over_bases), t with K − 1 df. ‡: its between-base SD is negligible beside the seeds' (at or "
+        "near 0), so it weighs each base by its seeds and the shipped base carries most of the weight; the "
+        "t-interval over the K base means weighs every base alike. Holds on: the bases whose mean over their seeds "
+        "has base 0's sign.\n")
 
 
 def paired_diffs(runs, a, b, metric):
@@ -238,21 +255,22 @@ def paired_diffs(runs, a, b, metric):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["build", "sweep", "table"],
-                   help="build the bases, run the replication sweep on them, or print summary.json's bases as markdown")
+                   help="build the bases, run the replication sweep on them, or print summary.json's bases as "
+                   "markdown")
     p.add_argument("--lab-tag", default="lab", help="the lab: experiments/labs/<tag>/ (lab or lab2)")
     p.add_argument("--bases", type=int, default=4, help="build: new bases to land in the window")
     p.add_argument("--first-seed", type=int, default=1, help="build: the first seed tried (the shipped base is 0)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3], help="sweep: RL seeds per base")
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(docs_dir(args.lab_tag), "base", "lab.json")):
-        sys.exit(f"bases.py: error: no lab docs/{args.lab_tag}/base/lab.json")
+        sys.exit(f"bases.py: error: no lab experiments/labs/{args.lab_tag}/base/lab.json")
     try:
         if args.what == "table":
             with open(os.path.join(docs_dir(args.lab_tag), "summary.json")) as f:
                 entry = json.load(f).get("bases")
             if not entry:
-                sys.exit(f"bases.py: error: docs/{args.lab_tag}/summary.json has no bases entry: no new base has "
-                         "result files yet")
+                sys.exit(f"bases.py: error: experiments/labs/{args.lab_tag}/summary.json has no bases entry: "
+                         "no new base has result files yet")
             print(table(entry), end="")
         elif args.what == "build":
             build(args.lab_tag, args.bases, args.first_seed)

@@ -124,38 +124,89 @@ def pooled_auc(rows):
     return won / pairs if pairs else math.nan
 
 
+def reml_profile(groups, ratio):
+    """The REML log-likelihood of the one-way random-intercept model d = mu + b_base + e (b ~ N(0, s_b^2), e ~ N(0,
+    s_w^2)) at the variance ratio `ratio` = s_b^2 / s_w^2, with mu and s_w^2 at their REML values for that ratio
+    (both have closed forms): (loglik, mu, s_w^2). groups: one array of seeds' values per base.
+
+    Per base b with n_b seeds and mean m_b, the weight w_b = n_b / (1 + ratio n_b); mu = sum w_b m_b / sum w_b (GLS);
+    Q = SS_within + sum w_b (m_b - mu)^2; s_w^2 = Q / (N - 1); and
+    loglik = -1/2 [(N - 1) (log(2 pi s_w^2) + 1) + sum log(1 + ratio n_b) + log sum w_b]: the REML log-likelihood
+    -1/2 [log|V| + log|X'V^-1 X| + r'V^-1 r + (N - 1) log 2 pi] of V = s_w^2 (I + ratio Z Z'), X the column of ones,
+    Z the bases' indicators, with the scale profiled out (tests/test_bases.py checks it against that matrix form)."""
+    n = np.array([len(g) for g in groups], dtype=float)  # (K,)
+    m = np.array([np.mean(g) for g in groups])  # (K,)
+    ss_within = float(sum(np.sum((np.asarray(g, dtype=float) - np.mean(g)) ** 2) for g in groups))
+    w = n / (1.0 + ratio * n)  # (K,)
+    mu = float(np.sum(w * m) / np.sum(w))
+    q = ss_within + float(np.sum(w * (m - mu) ** 2))
+    dof = n.sum() - 1
+    if q <= 0:  # every value equal: no spread to estimate a variance from
+        return -math.inf, mu, 0.0
+    loglik = -0.5 * (dof * (math.log(2 * math.pi * q / dof) + 1) + float(np.sum(np.log1p(ratio * n)))
+                     + math.log(float(np.sum(w))))
+    return loglik, mu, q / dof
+
+
+# the profile's search: the ratio s_b^2 / s_w^2 at 0 and on a log grid from 1e-8 to 1e6 (20 points a decade), then
+# Brent's bounded search between the best grid point's neighbours. A best point at the grid's top is no optimum found
+RATIO_GRID = np.concatenate([[0.0], np.logspace(-8, 6, 281)])
+NEGLIGIBLE = 0.01  # the boundary flag: s_b^2 at most 1% of the sampling variance of the best-measured base's mean
+
+
 def over_bases(diffs_by_base, level=0.95):
     """A paired difference's mean over the population of bases a recipe builds, from each base's per-seed paired
     differences ({base: [d per seed]}, unbalanced allowed): a linear mixed model d = mu + b_base + e, b ~ N(0, s_b^2)
-    the base's random intercept, e ~ N(0, s_w^2) the seed's (statsmodels MixedLM, REML). Returns mu, its standard
-    error, the interval mu +- t_{K-1} se (the K bases are the units: K - 1 degrees of freedom, as the t-interval over
-    base means has, which it equals in a balanced design), the between- and within-base standard deviations s_b and
-    s_w, and whether s_b sits on its boundary 0. Fewer than 2 bases: nan."""
-    import warnings
-    from statsmodels.regression.mixed_linear_model import MixedLM
-    from statsmodels.tools.sm_exceptions import ConvergenceWarning, SingularMatrixWarning
+    the base's random intercept, e ~ N(0, s_w^2) the seed's, fitted by REML.
+
+    The fit profiles the REML likelihood over the one parameter left once mu and s_w^2 take their closed forms, the
+    ratio s_b^2 / s_w^2 (`reml_profile`): every point of RATIO_GRID, 0 included, then Brent's bounded search between
+    the best point's neighbours, and 0 again if no positive ratio beats it. The REML optimum lies at 0 whenever the
+    bases' means differ no more than their seeds say they would; a search over variances (statsmodels' MixedLM) often
+    stops short of it. `converged` is False, and said, when the best point is the grid's top (s_b^2 beyond 1e6 s_w^2:
+    no seed spread to weigh the bases by) or Brent's search fails.
+
+    Returns mu, its standard error, the interval mu +- t_{K-1} se (the K bases are the units: K - 1 degrees of
+    freedom, as the t-interval over base means has, which it equals in a balanced design), s_b and s_w, each base's
+    share of mu's weight (`weights`, in the input's order), the REML log-likelihood at the optimum and at s_b = 0,
+    `converged`, and `boundary`: s_b negligible beside the seeds', s_b^2 <= NEGLIGIBLE * s_w^2 / (the largest base's
+    seeds), where it changes no base's weight by more than 1%. Fewer than 2 bases: nan."""
+    from scipy import optimize
     bases = [b for b in diffs_by_base if len(diffs_by_base[b])]
     K = len(bases)
     nan = {"mean": math.nan, "se": math.nan, "ci": [math.nan, math.nan], "between_sd": math.nan,
-           "within_sd": math.nan, "bases": K, "df": max(K - 1, 0), "boundary": None}
+           "within_sd": math.nan, "bases": K, "df": max(K - 1, 0), "boundary": None, "converged": None,
+           "weights": [math.nan] * K, "loglik": math.nan, "loglik_at_0": math.nan}
     if K < 2:
         return nan
-    y = np.concatenate([np.asarray(diffs_by_base[b], dtype=float) for b in bases])  # (N,)
-    groups = np.concatenate([[i] * len(diffs_by_base[b]) for i, b in enumerate(bases)])  # (N,)
-    if len(y) == K:  # one seed per base: no within-base spread to separate from the between-base one
-        return {**nan, "mean": float(y.mean())}
-    with warnings.catch_warnings():  # a between-base variance at 0 is a result here (reported below), not a failure
-        for category in (ConvergenceWarning, SingularMatrixWarning, RuntimeWarning):
-            warnings.simplefilter("ignore", category)
-        fit = MixedLM(y, np.ones((len(y), 1)), groups).fit(reml=True)
-        mu, within = float(fit.fe_params[0]), float(fit.scale)
-        between = float(np.asarray(fit.cov_re).reshape(-1)[0])
-    boundary = between <= 1e-6 * within  # s_b at 0: the bases differ no more than the seeds say they would
-    between = 0.0 if boundary else between
+    groups = [np.asarray(diffs_by_base[b], dtype=float) for b in bases]
+    sizes = np.array([len(g) for g in groups], dtype=float)  # (K,)
+    if sizes.sum() == K:  # one seed per base: no within-base spread to separate from the between-base one
+        return {**nan, "mean": float(np.mean([g[0] for g in groups]))}
+    if np.ptp(np.concatenate(groups)) == 0:  # every difference the same: no variance to estimate, no optimum
+        return {**nan, "mean": float(groups[0][0]), "converged": False}
+    profile = lambda r: reml_profile(groups, r)[0]
+    grid = np.array([profile(r) for r in RATIO_GRID])  # (281 + 1,)
+    i = int(np.argmax(grid))
+    ratio, loglik, converged = float(RATIO_GRID[i]), float(grid[i]), bool(np.isfinite(grid[i]))
+    if converged and i == len(RATIO_GRID) - 1:
+        converged = False  # still rising at s_b^2 = 1e6 s_w^2: no optimum in the search
+    elif converged:
+        lo, hi = RATIO_GRID[max(i - 1, 0)], RATIO_GRID[i + 1]
+        res = optimize.minimize_scalar(lambda r: -profile(r), bounds=(lo, hi), method="bounded",
+                                       options={"xatol": 1e-9 * hi})
+        converged = bool(res.success)
+        if converged and -res.fun > loglik:
+            ratio, loglik = float(res.x), float(-res.fun)
+        if grid[0] >= loglik - 1e-10:  # nothing measurably above s_b = 0 (1e-10 nats): the boundary is the optimum
+            ratio, loglik = 0.0, float(grid[0])
+    _, mu, within = reml_profile(groups, ratio)
+    between = ratio * within
     # mu is the GLS mean, each base weighted by 1 / (s_b^2 + s_w^2 / n_b); its variance is 1 / sum of the weights
-    # (statsmodels' bse_fe, computed here from the variance components: its Hessian can be singular near s_b = 0)
-    sizes = np.array([len(diffs_by_base[b]) for b in bases], dtype=float)  # (K,)
-    se = math.sqrt(1.0 / float(np.sum(1.0 / (between + within / sizes))))
+    weights = 1.0 / (between + within / sizes) if within > 0 else sizes  # (K,)
+    se = math.sqrt(1.0 / float(np.sum(weights))) if within > 0 else math.nan
     half = stats.t.ppf((1 + level) / 2, K - 1) * se
-    return {"mean": mu, "se": se, "ci": [float(mu - half), float(mu + half)], "between_sd": math.sqrt(max(between, 0.0)),
-            "within_sd": math.sqrt(within), "bases": K, "df": K - 1, "boundary": bool(boundary)}
+    return {"mean": mu, "se": se, "ci": [float(mu - half), float(mu + half)], "between_sd": math.sqrt(between),
+            "within_sd": math.sqrt(within), "bases": K, "df": K - 1,
+            "boundary": bool(between <= NEGLIGIBLE * within / sizes.max()), "converged": converged,
+            "weights": [float(x) for x in weights / weights.sum()], "loglik": loglik, "loglik_at_0": float(grid[0])}

@@ -16,29 +16,125 @@ import stats  # noqa: E402
 
 
 # ---- stats.over_bases --------------------------------------------------------------------------------------------
+def reml_loglik_matrix_form(groups, ratio):
+    """The REML log-likelihood of d = mu + b_base + e written out with matrices, V = s^2 (I + ratio Z Z'),
+    -1/2 [log|V| + log|X'V^-1 X| + r'V^-1 r + (N - 1) log 2 pi], r = d - X mu_GLS, s^2 at its maximum
+    r'V0^-1 r / (N - 1): the textbook form stats.reml_profile's closed forms must equal."""
+    y = np.concatenate(groups)
+    z = np.zeros((len(y), len(groups)))
+    z[np.arange(len(y)), np.concatenate([[i] * len(g) for i, g in enumerate(groups)])] = 1.0
+    v0 = np.eye(len(y)) + ratio * z @ z.T
+    v0_inv, x = np.linalg.inv(v0), np.ones((len(y), 1))
+    mu = float(np.linalg.solve(x.T @ v0_inv @ x, x.T @ v0_inv @ y)[0])
+    r = y - mu
+    s2 = float(r @ v0_inv @ r) / (len(y) - 1)
+    v = s2 * v0
+    return -0.5 * (np.linalg.slogdet(v)[1] + np.linalg.slogdet(x.T @ np.linalg.inv(v) @ x)[1]
+                   + float(r @ np.linalg.inv(v) @ r) + (len(y) - 1) * np.log(2 * np.pi))
+
+
+def brute_force_optimum(groups):
+    """The REML profile's maximum over 0 and 2,001 ratios from 1e-8 to 1e6 (a step of 1.6%): a search that shares no
+    code with the fit's."""
+    grid = np.concatenate([[0.0], np.logspace(-8, 6, 2001)])
+    ll = np.array([stats.reml_profile(groups, r)[0] for r in grid])
+    return grid[int(np.argmax(ll))], float(ll.max())
+
+
+def test_the_reml_profile_is_the_matrix_forms_likelihood():
+    rng = np.random.default_rng(3)
+    groups = [rng.normal(rng.normal(0, 0.02), 0.03, k) for k in (16, 2, 2, 3, 2)]
+    for ratio in (0.0, 1e-4, 0.05, 0.7, 30.0):
+        loglik, mu, within = stats.reml_profile(groups, ratio)
+        assert loglik == pytest.approx(reml_loglik_matrix_form(groups, ratio), rel=1e-10, abs=1e-9)
+    y = np.concatenate(groups)  # at ratio 0 the seeds are one sample: the mean and the sample variance
+    assert stats.reml_profile(groups, 0.0)[1:] == pytest.approx((y.mean(), y.var(ddof=1)), rel=1e-12)
+
+
+def bases_rows(tag, b, metric):
+    summary = json.load(open(os.path.join(ROOT, "experiments", "labs", tag, "summary.json")))
+    (c,) = [c for c in summary["bases"]["claims"] if (c["b"], c["metric"]) == (b, metric)]
+    return {p["base"]: p["diffs"] for p in c["per_base"]}
+
+
+# the rows where a search over variances reported a between-base SD that is not the REML optimum: (lab, claim,
+# metric, the SD it reported, its within SD); the optimum is 0
+STOPPED_SHORT = [("lab", "grpo", "pass@1", 0.00876, 0.02516), ("lab2", "grpo", "pass@256", 0.00699, 0.05798),
+                 ("lab2", "ppo", "pass@256", 0.01426, 0.05665)]
+
+
+@pytest.mark.parametrize("tag, b, metric, reported, within", STOPPED_SHORT, ids=[f"{t}-{b}-{m}" for t, b, m, _, _ in
+                                                                                 STOPPED_SHORT])
+def test_over_bases_reaches_the_optimum_at_zero_where_a_search_stopped_short(tag, b, metric, reported, within):
+    d = bases_rows(tag, b, metric)
+    groups = [np.asarray(v) for v in d.values()]
+    fit = stats.over_bases(d)
+    assert fit["converged"] is True and fit["between_sd"] == 0.0 and fit["boundary"] is True
+    assert fit["loglik"] == fit["loglik_at_0"] == pytest.approx(brute_force_optimum(groups)[1], abs=1e-9)
+    assert brute_force_optimum(groups)[0] == 0.0
+    assert stats.reml_profile(groups, (reported / within) ** 2)[0] < fit["loglik"] - 1e-3  # the reported SD is lower
+    # at s_b = 0 every seed weighs alike: the first base carries its 16 of the seeds
+    assert fit["weights"][0] == pytest.approx(16 / sum(len(v) for v in d.values()), rel=1e-12)
+    assert fit["mean"] == pytest.approx(np.mean(np.concatenate(groups)), rel=1e-12)
+
+
+@pytest.mark.parametrize("tag", ["lab", "lab2"])
+def test_over_bases_reaches_the_optimum_on_every_committed_row(tag):
+    summary = json.load(open(os.path.join(ROOT, "experiments", "labs", tag, "summary.json")))
+    for c in summary["bases"]["claims"]:
+        groups = [np.asarray(p["diffs"]) for p in c["per_base"]]
+        fit = stats.over_bases({p["base"]: p["diffs"] for p in c["per_base"]})
+        ratio, best = brute_force_optimum(groups)
+        assert fit["converged"] is True and fit["loglik"] >= best - 1e-9, (c["b"], c["metric"])
+        assert fit["between_sd"] ** 2 / fit["within_sd"] ** 2 == pytest.approx(ratio, rel=2e-2, abs=1e-9)
+
+
 def test_over_bases_in_a_balanced_design_is_the_t_interval_over_base_means():
-    """Balanced, with a between-base variance above 0: REML's mu is the grand mean and its variance MSB / (n K), so
-    the interval with K - 1 degrees of freedom is the t-interval over the K base means."""
+    """Balanced, with a between-base variance above 0 (a known interior optimum): REML's variance components are
+    ANOVA's, s_w^2 = MSW and s_b^2 = (MSB - MSW) / n, mu is the grand mean and its variance MSB / (n K), so the
+    interval with K - 1 degrees of freedom is the t-interval over the K base means."""
     rng = np.random.default_rng(0)
     d = {f"b{i}": list(rng.normal(rng.normal(0.0, 0.03), 0.01, 4)) for i in range(5)}
     fit = stats.over_bases(d)
     mean, lo, hi = stats.t_interval([np.mean(v) for v in d.values()])
-    assert fit["boundary"] is False and fit["df"] == 4 and fit["bases"] == 5
+    assert fit["boundary"] is False and fit["converged"] is True and fit["df"] == 4 and fit["bases"] == 5
     assert fit["mean"] == pytest.approx(mean, rel=1e-9)
-    assert fit["se"] == pytest.approx(np.std([np.mean(v) for v in d.values()], ddof=1) / np.sqrt(5), rel=1e-5)
-    assert fit["ci"] == pytest.approx([lo, hi], rel=1e-5)
-    # the variance components: within from the pooled seeds' spread, between from the base means' spread beyond it
+    assert fit["se"] == pytest.approx(np.std([np.mean(v) for v in d.values()], ddof=1) / np.sqrt(5), rel=1e-6)
+    assert fit["ci"] == pytest.approx([lo, hi], rel=1e-6)
     within = np.mean([np.var(v, ddof=1) for v in d.values()])
-    assert fit["within_sd"] ** 2 == pytest.approx(within, rel=1e-4)
+    assert fit["within_sd"] ** 2 == pytest.approx(within, rel=1e-6)
     assert fit["between_sd"] ** 2 == pytest.approx(np.var([np.mean(v) for v in d.values()], ddof=1) - within / 4,
-                                                   rel=1e-3)
+                                                   rel=1e-6)
+    assert fit["weights"] == pytest.approx([0.2] * 5, rel=1e-9)
+
+
+@pytest.mark.parametrize("ratio, flagged", [(1e-3, True), (4e-3, True), (6e-3, False), (0.1, False)])
+def test_the_boundary_flag_reads_the_between_sd_beside_the_seeds(ratio, flagged):
+    """Balanced, 2 seeds a base at +-delta around means whose spread puts REML's s_b^2 / s_w^2 at `ratio` exactly
+    ((MSB - MSW) / (n MSW)); the flag is s_b^2 <= 1% of the variance of a 2-seed mean, s_w^2 / 2: ratio <= 0.005.
+    An SD like 5e-5 beside seeds' 0.025 (ratio 4e-6) is flagged; one a tenth of theirs is not."""
+    delta, n = 0.01, 2
+    spread = np.array([-2.0, -1.0, 0.0, 1.0, 2.0]) * np.sqrt(delta ** 2 * (1 + n * ratio) / 2.5)  # var(m) = MSB / n
+    d = {f"b{i}": [0.02 + m - delta, 0.02 + m + delta] for i, m in enumerate(spread)}
+    fit = stats.over_bases(d)
+    assert fit["converged"] is True
+    assert (fit["between_sd"] / fit["within_sd"]) ** 2 == pytest.approx(ratio, rel=1e-5)
+    assert fit["boundary"] is flagged
 
 
 def test_over_bases_with_no_base_effect_sits_on_the_boundary():
     d = {"a": [0.01, -0.01, 0.02, 0.0], "b": [0.01, -0.01, 0.02, 0.0], "c": [0.0, 0.01, -0.01, 0.02]}
     fit = stats.over_bases(d)
-    assert fit["boundary"] is True and fit["between_sd"] == pytest.approx(0.0, abs=1e-6)
+    assert fit["boundary"] is True and fit["converged"] is True and fit["between_sd"] == 0.0
     assert fit["mean"] == pytest.approx(np.mean(sum(d.values(), [])), abs=1e-9)
+
+
+def test_over_bases_says_when_it_finds_no_optimum():
+    """Seeds that agree exactly within each base while the bases differ: the likelihood rises without end as s_b^2 /
+    s_w^2 grows, and the fit says it found no optimum rather than report the search's edge as one."""
+    fit = stats.over_bases({"a": [0.1, 0.1], "b": [0.3, 0.3], "c": [0.2, 0.2, 0.2]})
+    assert fit["converged"] is False
+    assert stats.over_bases({"a": [0.1, 0.1], "b": [0.1, 0.1]})["converged"] is False  # no spread at all
 
 
 def test_over_bases_needs_two_bases_and_a_spread_within_them():
@@ -160,12 +256,16 @@ def test_bases_summary_pairs_each_base_and_fits_over_them(tmp_path, monkeypatch)
     (e,) = [c for c in out["claims"] if (c["b"], c["metric"]) == ("ppo", "final_entropy")]
     assert e["per_base"][0]["mean"] < 0 and e["holds_on"] == 3  # PACS's entropy below PPO's on every base
     rows = bases.table(out).splitlines()
-    assert rows[0].startswith("| claim | metric | base 0 | base 1 | base 2 | over bases [95%] |")
+    assert rows[0].startswith("| claim | metric | base 0 | base 1 | base 2 | mixed model [95%] | t over base means "
+                              "[95%] | base 0's weight |")
     (row,) = [r for r in rows if r.startswith("| pacs − ppo | pass@1 |")]
     cells = [x.strip() for x in row.strip("|").split("|")]
     assert cells[2] == bases.fmt(c["per_base"][0]["mean"]) + " (16)" and cells[3].endswith("(2)")
     assert cells[5] == (f"{bases.fmt(c['over_bases']['mean'])} [{bases.fmt(c['over_bases']['ci95'][0])}, "
                         f"{bases.fmt(c['over_bases']['ci95'][1])}]") + (" ‡" if c["over_bases"]["boundary"] else "")
+    t = c["t_over_base_means"]
+    assert cells[6] == f"{bases.fmt(t['mean'])} [{bases.fmt(t['ci95'][0])}, {bases.fmt(t['ci95'][1])}]"
+    assert cells[7] == f"{c['over_bases']['weights'][0]:.2f}"
     assert cells[-1] == "2 of 3" and bases.fmt(-0.0123) == "−0.012"
     only = tmp_path / "only"  # a lab with no other base's runs: no entry
     (only / "base").mkdir(parents=True)
@@ -189,8 +289,15 @@ def check_bases_schema(entry):
             assert p["mean"] == pytest.approx(np.mean(p["diffs"]), abs=2e-5)
         o = c["over_bases"]
         assert o["df"] == c["of"] - 1
+        assert set(o) == {"mean", "se", "ci95", "df", "between_sd", "within_sd", "boundary", "converged", "weights"}
         if o["se"] is not None:
             assert o["ci95"][0] <= o["mean"] <= o["ci95"][1] and o["within_sd"] >= 0 and o["between_sd"] >= 0
+            assert o["converged"] is True and len(o["weights"]) == c["of"]
+            assert sum(o["weights"]) == pytest.approx(1.0, abs=1e-4)
+            assert o["boundary"] is (o["between_sd"] ** 2 <= stats.NEGLIGIBLE * o["within_sd"] ** 2 / max(
+                p["seeds"] for p in c["per_base"]) + 1e-9)
+        t = c["t_over_base_means"]
+        assert t["mean"] == pytest.approx(np.mean([p["mean"] for p in c["per_base"]]), abs=2e-5)
 
 
 def test_table_prints_each_claims_numbers_from_the_entry():
@@ -199,13 +306,17 @@ def test_table_prints_each_claims_numbers_from_the_entry():
                          "per_base": [{"base": "base", "seeds": 16, "mean": 0.0051},
                                       {"base": "bases/seed3", "seeds": 2, "mean": -0.0304}],
                          "over_bases": {"mean": -0.0111, "ci95": [-0.2, 0.18], "between_sd": 0.0234,
-                                        "within_sd": 0.0081, "boundary": True},
+                                        "within_sd": 0.0081, "boundary": True, "converged": True,
+                                        "weights": [0.8888, 0.1112]},
                          "t_over_base_means": {"mean": -0.0127, "ci95": [-0.3, 0.3]}}]}
     head, rule, row = bases.table(entry).splitlines()[:3]
-    assert head == ("| claim | metric | base 0 | base 3 | over bases [95%] | between SD | within SD | holds on |")
+    assert head == ("| claim | metric | base 0 | base 3 | mixed model [95%] | t over base means [95%] "
+                    "| base 0's weight | between SD | within SD | holds on |")
     assert rule.count("|") == head.count("|")
-    assert row == ("| pacs − ppo | entropy | +0.005 (16) | −0.030 (2) | −0.011 [−0.200, +0.180] ‡ | 0.023 | 0.008 "
-                   "| 1 of 2 |")
+    assert row == ("| pacs − ppo | entropy | +0.005 (16) | −0.030 (2) | −0.011 [−0.200, +0.180] ‡ | −0.013 [−0.300, "
+                   "+0.300] | 0.89 | 0.023 | 0.008 | 1 of 2 |")
+    entry["claims"][0]["over_bases"]["converged"] = False  # a fit without an optimum says so where it is printed
+    assert "(no REML optimum found)" in bases.table(entry).splitlines()[2]
 
 
 def test_table_without_a_bases_entry_is_a_one_line_error(tmp_path, monkeypatch, capsys):

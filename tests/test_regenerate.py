@@ -122,3 +122,32 @@ def test_a_p_value_halved_in_the_paired_entries_is_caught(monkeypatch):
     monkeypatch.setattr(lab_summary, "paired_p", lambda d: paired_p(d) / 2)
     diff = differences(lab_summary.lab_summary(runs, prompts=32, last=10), honest)
     assert diff and all(d.split(":")[0].endswith("/p_t") for d in diff)
+
+
+def test_a_summary_takes_methods_that_land_beside_the_sweep(tmp_path):
+    """New arms land in test-p32/ and val-p32-lr*/ while a sweep runs (another method's test runs with no scan entry,
+    a method scanned at one lr only): the summary takes them as they are, each in runs and settings, its lr cliff
+    None where the grid lacks the lr, and the claims over bases and their tests keep to their own methods."""
+    src, dst = os.path.join(LABS_DIR, "lab"), tmp_path / "lab"
+    shutil.copytree(os.path.join(src, "results", "val-p32-lr0.0001"), dst / "results" / "val-p32-lr0.0001")
+    os.makedirs(dst / "results" / "test-p32")
+    for m in ("pacs", "grpo", "ppo", "pacs-critic-off"):
+        for s in (0, 1, 2):
+            shutil.copy(os.path.join(src, "results", "test-p32", f"{m}-s{s}.json"), dst / "results" / "test-p32")
+    for s in (0, 1):  # a new arm's test runs, no scan entry for it
+        result = json.loads((dst / "results" / "test-p32" / f"pacs-s{s}.json").read_text())
+        (dst / "results" / "test-p32" / f"pacs-new-arm-s{s}.json").write_text(json.dumps({**result, "method":
+                                                                                            "pacs-new-arm"}))
+    scanned = json.loads((dst / "results" / "val-p32-lr0.0001" / "pacs-s1000.json").read_text())
+    (dst / "results" / "val-p32-lr0.0001" / "pacs-scan-only-s1000.json").write_text(json.dumps(
+        {**scanned, "method": "pacs-scan-only"}))
+    os.makedirs(dst / "base" / "model")
+    shutil.copy(os.path.join(src, "base", "lab.json"), dst / "base" / "lab.json")
+    shutil.copy(os.path.join(src, "base", "model", "config.json"), dst / "base" / "model" / "config.json")
+    summary = stability.summary_json(str(dst / "results"), str(dst / "base"), prompts=32, last=10)
+    assert summary["settings"]["seeds"]["pacs-new-arm"] == [0, 1] and "pacs-new-arm" in summary["settings"]["lr"]
+    assert {r["method"] for r in summary["runs"]} == {"pacs", "grpo", "ppo", "pacs-critic-off", "pacs-new-arm"}
+    lr = summary["stability"]["lr"]["methods"]["pacs-scan-only"]
+    assert lr["chosen"] == 0.0001 and lr["loss_2x"] is None and lr["loss_half"] is None
+    assert {p["b"] for p in summary["paired"]} <= {"pacs-critic-off", "grpo", "ppo", "reinforce"}
+    assert lab_summary.lab_scan(str(dst / "results"), 32)["choice"]["pacs-scan-only"] == 0.0001

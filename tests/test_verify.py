@@ -425,3 +425,49 @@ def test_default_budget_is_the_documented_one_and_holds():
     assert secs >= 0.8 * documented, f"returned in {secs:.2f} s: this pair no longer needs the whole budget"
     assert secs < documented + 2.0, f"{secs:.2f} s for a {documented} s budget"
     assert verify.is_equiv("x^2+5", "5+x^2") is True  # and the checker still answers afterwards
+
+
+# ---- the cases no rule was written against: benchmarks/verify_cases_external.jsonl ----------------------------------
+EXTERNAL = ROOT / "benchmarks" / "verify_cases_external.jsonl"
+
+
+def test_the_external_cases_name_their_source_row_by_row():
+    """Every row comes from one of the two graders' test suites, at a pinned commit and a named test; the counts are
+    what benchmarks/external_cases.py wrote (261 Math-Verify cases at default settings, 16 of hendrycks/math)."""
+    rows = [json.loads(line) for line in open(EXTERNAL, encoding="utf-8")]
+    pins = {"huggingface/Math-Verify@5d148cfaaf99214c2e4ffb4bc497ab042c592a7a:tests/test_",
+            "hendrycks/math@985bdc1696e88e8643f081a0ff4719da39f2ae2a:modeling/math_equivalence_test.py::"}
+    for r in rows:
+        assert set(r) == {"response", "answer", "expected", "category", "source"}
+        assert isinstance(r["expected"], bool) and any(r["source"].startswith(p) for p in pins), r["source"]
+    by_repo = [r["source"].split("@")[0] for r in rows]
+    assert (by_repo.count("huggingface/Math-Verify"), by_repo.count("hendrycks/math")) == (261, 16)
+    assert sum(not r["expected"] for r in rows) == 42
+    assert not {(r["response"], r["answer"]) for r in rows} & {(c["response"], c["answer"]) for c in CASES}
+
+
+def test_external_cases_keeps_only_the_cases_at_the_graders_defaults(tmp_path):
+    """A case is kept when its test compares at precision 6, strict, without set-relation comparison (a constant or a
+    parameter of the case), whatever the extraction targets; pred is the response and gold the answer, verbatim; a
+    case that is no literal is counted, not kept."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import external_cases
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text('''import pytest
+@pytest.mark.parametrize("gold,pred,expected", [("$1$", "\\\\boxed{1}", 1), ("2", "3", 0)])
+def test_plain(gold, pred, expected):
+    assert compare_strings(gold, pred, match_types=["expr"]) == expected
+@pytest.mark.parametrize("gold,pred,expected,precision", [("1/3", "0.33", 1, 2), ("1/2", "0.5", 1, 6)])
+def test_precision(gold, pred, expected, precision):
+    assert compare_strings(gold, pred, precision=precision) == expected
+@pytest.mark.parametrize("gold, pred, strict, expected", [("f(x)", "f(y)", True, 0), ("f(x)", "f(y)", False, 1)])
+def test_strict(gold, pred, strict, expected):
+    assert compare_strings(gold, pred, strict=strict) == expected
+@pytest.mark.parametrize("gold, pred, expected", [(f"{1:.3f}", "1", 1)])
+def test_fstring(gold, pred, expected):
+    assert compare_strings(gold, pred) == expected
+''')
+    rows, skipped = external_cases.math_verify_cases(str(tmp_path), "abc")
+    assert [(r["answer"], r["response"], r["expected"]) for r in rows] == [
+        ("$1$", "\\boxed{1}", True), ("2", "3", False), ("1/2", "0.5", True), ("f(x)", "f(y)", False)]
+    assert skipped == 1 and rows[0]["source"] == "huggingface/Math-Verify@abc:tests/test_x.py::test_plain"
