@@ -2,7 +2,7 @@
 kernels are pinned where log-probs are taken, the plan reads free memory, --device auto refuses a silent CPU
 fallback at GPU scale, the entropy comes from the log-probs' own logits, the allocator gets expandable segments,
 checkpoints come at a justified interval, a resume restores the batch sizes an out-of-memory retry halved (cfg
-staying what was typed)."""
+staying what was typed), and the prepared GPU check rehearses on the CPU."""
 import contextlib
 import json
 import math
@@ -334,3 +334,42 @@ def test_memory_gib_caps_the_allocator_at_what_that_card_leaves_it(monkeypatch):
     fraction, allowed = gpu_step.cap_allocator(22.5)
     assert caps == [fraction] and fraction == pytest.approx(22 / 80)  # 22.5 less the CUDA context outside it
     assert allowed == pytest.approx(22 * pacs.GiB)
+
+
+# ---- the prepared GPU check, rehearsed on the CPU at a tiny shape -------------------------------------------------
+@needs_qwen
+def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
+    gpu_dir, out = tmp_path / "gpu", tmp_path / "out"
+    prep = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "prepare", "--dest",
+                           str(gpu_dir)], capture_output=True, text=True, timeout=60)
+    assert prep.returncode == 0, prep.stderr
+    assert sorted(os.listdir(gpu_dir / "model")) == ["config.json", "generation_config.json", "tokenizer.json",
+                                                     "tokenizer_config.json"]
+    env = {**os.environ, "GPU_CHECK_DIR": str(gpu_dir), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), str(out), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    log = (out / "check.log").read_text() if (out / "check.log").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
+    files = sorted(os.listdir(out))
+    assert files == ["check.log", "lab.json", "probe.json", "psi_ckpt.json", "psi_plain.json", "step_22g.json",
+                     "step_default.json", "summary.md"]  # 8 files: what a device call brings back
+    for name in ("probe", "build", "psi_plain", "psi_ckpt", "step_default", "step_22g", "lab"):
+        assert f"== {name}: exit 0" in log, name
+    load = lambda name: json.loads((out / f"{name}.json").read_text())
+    assert load("probe")["missing_apis"] == [] and load("probe")["sdpa"]["MATH"]["padding_rows_finite"]
+    for name in ("psi_plain", "psi_ckpt"):
+        r = load(name)
+        assert r["psi_std_max"] == 0.0 and r["lr"] == 0.0 and r["varied_prompts"] == 60, name
+    assert load("psi_ckpt")["gradient_checkpointing"] and not load("psi_plain")["gradient_checkpointing"]
+    for name in ("step_default", "step_22g"):
+        r = load(name)
+        for key in ("generate_s", "old_logprobs_s", "update_s", "generated_tokens_per_s", "generate_peak_gib",
+                    "update_peak_gib", "plan_generate_gib", "plan_update_gib"):
+            assert r[key] > 0, (name, key)
+        assert r["steps"][0]["generate_peak_bytes"] > 0 and r["steps"][0]["update_peak_bytes"] > 0
+    assert load("step_22g")["memory_gib"] == 22.5 and load("step_22g")["allocator_cap_gib"] is None  # CPU: no cap
+    lab = load("lab")
+    assert lab["device"]["step_time"] > 0 and lab["cpu_1_core"]["step_time"] > 0 and lab["speedup"] > 0
+    summary = (out / "summary.md").read_text()
+    assert summary == proc.stdout[proc.stdout.index("| check"):]
+    assert summary.count("(pass;") == 2 and "FAIL" not in summary and "no result" not in summary
