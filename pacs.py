@@ -1166,7 +1166,9 @@ def use_expandable_segments():
         print(f"[memory] CUDA allocator settings as given: {given}", file=sys.stderr)
         return False
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
-    set_settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    # torch >= 2.9's call (torch.cuda.memory._set_allocator_settings, the older one, warns there that it is deprecated)
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch.cuda.memory, "_set_allocator_settings", None)
     if set_settings is not None:
         set_settings(ALLOC_CONF)
     print(f"[memory] PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF} (set by pacs.py: generate's growing KV cache fragments "

@@ -87,7 +87,7 @@ def build(out, model_dir, tiny):
 # the rehearsal on a CPU, under the GPU machine's versions) before the steps run.
 APIS = ("torch.cuda.mem_get_info", "torch.cuda.memory_reserved", "torch.cuda.set_per_process_memory_fraction",
         "torch.cuda.max_memory_allocated", "torch.cuda.max_memory_reserved", "torch.cuda.reset_peak_memory_stats",
-        "torch.cuda.memory_stats", "torch.cuda.memory_snapshot", "torch.cuda.memory._set_allocator_settings",
+        "torch.cuda.memory_stats", "torch.cuda.memory_snapshot", "torch._C._accelerator_setAllocatorSettings",
         "torch.cuda.get_rng_state_all", "torch.cuda.init", "torch.backends.cuda.enable_math_sdp",
         "torch.backends.cuda.enable_cudnn_sdp", "torch.nn.attention.sdpa_kernel",
         "torch.nn.attention.SDPBackend.FLASH_ATTENTION", "torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION",
