@@ -6,10 +6,11 @@
     python benchmarks/gpu_check.py lab OUT/lab.json --device cuda  # the lab's step there and on one CPU core
     python benchmarks/gpu_check.py summary OUT                   # the table of every JSON in OUT
 
-`prepare` fills the git-ignored folder .gpu/ that travels with a device call (`carry: [".gpu"]`): Qwen2.5-0.5B-
-Instruct's config, tokenizer and generation config from ../shared/models (no weights: the check builds a random-init
-stand-in of the exact shape), 1,500 MATH problems from ../shared/data (prompt text), and with --wheels the
-transformers wheel pacs.py needs (>= 5.24; the GPU machine has 5.17), downloaded for the machine's Python 3.12.
+`prepare` fills the git-ignored folder .gpu/, to be sent along with the repository to the GPU machine (named, since
+git ignores it): Qwen2.5-0.5B-Instruct's config, tokenizer and generation config from ../shared/models (no weights:
+the check builds a random-init stand-in of the exact shape), 1,500 MATH problems from ../shared/data (prompt text),
+and with --wheels the transformers wheel pacs.py needs (>= 5.24; the GPU machine has 5.17), downloaded for the
+machine's Python 3.12.
 """
 import argparse
 import json
@@ -28,7 +29,7 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 # 0.23.2, safetensors 0.8.0, and regex, typer, tqdm, numpy, pyyaml, packaging).
 WHEELS = ("transformers==5.24.0",)
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-CARRY_LIMIT = 64 * 2 ** 20  # what travels with a device call: the working tree and the carried paths together
+CARRY_LIMIT = 64 * 2 ** 20  # what travels to the GPU machine: the working tree and the folders named, together
 
 
 def die(message):
@@ -67,10 +68,10 @@ def prepare(dest, model_dir, data_dir, wheels, problems=1500):
         os.path.join(ROOT, f)))
     carried = folder_bytes(dest)
     print(f"{dest}: {carried / 2 ** 20:.1f} MiB ({', '.join(sorted(os.listdir(dest)))}); with the tracked tree "
-          f"({tree / 2 ** 20:.1f} MiB): {(tree + carried) / 2 ** 20:.1f} of the {CARRY_LIMIT // 2 ** 20} MiB a device "
-          "call carries (untracked files travel too)")
+          f"({tree / 2 ** 20:.1f} MiB): {(tree + carried) / 2 ** 20:.1f} of the {CARRY_LIMIT // 2 ** 20} MiB that "
+          "travel to the GPU machine (untracked files count too)")
     if tree + carried > CARRY_LIMIT:
-        die("over the limit: carry less")
+        die("over the limit: send less")
 
 
 def build(out, model_dir, tiny):
@@ -327,7 +328,7 @@ def summary(out):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="fill .gpu/ (here, before the device call)")
+    p = sub.add_parser("prepare", help="fill .gpu/ (here, before the GPU machine is lent)")
     p.add_argument("--dest", default=os.path.join(ROOT, ".gpu"))
     p.add_argument("--model-dir", default=os.path.join(SHARED, "models", "qwen2.5-0.5b-instruct"))
     p.add_argument("--data-dir", default=os.path.join(SHARED, "data"))

@@ -15,7 +15,7 @@
 #   (c) step_22g   the same at --memory-gib 22.5 under a real allocator cap (a 24 GB card's limit), 64 prompts
 #   (d) lab        the lab's step on the device against one CPU core, if time remains
 # Then a summary table (OUT/summary.md). OUT ends up with 8 files: the 6 JSON, check.log (every step's output) and
-# summary.md, the most a device call brings back.
+# summary.md (a GPU loan brings back at most 8).
 set -u
 usage="usage: bash benchmarks/gpu_check.sh OUT_DIR [--device cuda|cpu]"
 OUT=${1:?$usage}

@@ -255,7 +255,7 @@ def run(model, out_dir, *extra):
 def small_memory(monkeypatch):
     """Out of memory on the first grad forward over more than 2 rows and on generate calls of more than 2 prompts:
     step 0 halves --micro-batch-size 4 -> 2 and --gen-batch-prompts 4 -> 2, for the rest of the run."""
-    real_lp, real_gen, grad_calls = pacs.response_logprobs, pacs._generate, {"n": 0}
+    real_lp, real_gen, grad_calls = pacs.response_logprobs, pacs.generate_exactly, {"n": 0}
 
     def logprobs(model, prompt_ids, *a, **k):
         if torch.is_grad_enabled() and prompt_ids.shape[0] > 2:
@@ -264,13 +264,13 @@ def small_memory(monkeypatch):
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_lp(model, prompt_ids, *a, **k)
 
-    def generate(model, tokenizer, prompts, *a):
-        if len(prompts) > 2:
+    def generate(model, generation_config, **inputs):
+        if inputs["input_ids"].shape[0] > 2 * 4:  # more than 2 prompts of G = 4
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_gen(model, tokenizer, prompts, *a)
+        return real_gen(model, generation_config, **inputs)
 
     monkeypatch.setattr(pacs, "response_logprobs", logprobs)
-    monkeypatch.setattr(pacs, "_generate", generate)
+    monkeypatch.setattr(pacs, "generate_exactly", generate)
 
 
 def test_a_resume_continues_at_the_sizes_an_out_of_memory_retry_halved(digit_model, tmp_path, monkeypatch):
@@ -289,9 +289,9 @@ def test_a_resume_continues_at_the_sizes_an_out_of_memory_retry_halved(digit_mod
         assert json.load(f)["micro_batch_size"] == 4
     # the resumed process has the memory to try 4 again, but an uninterrupted run never would: it continues at 2
     calls = []
-    real_gen = pacs._generate
-    monkeypatch.setattr(pacs, "_generate", lambda model, tok, prompts, *a: calls.append(len(prompts)) or real_gen(
-        model, tok, prompts, *a))
+    real_gen = pacs.generate_exactly
+    monkeypatch.setattr(pacs, "generate_exactly", lambda model, config, **inputs: calls.append(
+        inputs["input_ids"].shape[0] // 4) or real_gen(model, config, **inputs))  # prompts per generate call
     resumed = run(digit_model, tmp_path / "part", "--steps", "3", "--resume")
     assert resumed[2]["micro_batch_size"] == 2 and calls == [2, 2]
     timing = ("time_generate", "time_verify", "time_old_logprobs", "time_update", "step_time", "samples_per_s")
