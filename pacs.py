@@ -134,7 +134,7 @@ class Config:
                                         "(prompts are then run per row)")
     memory_gib: float = _opt(0.0, "plan memory for this many GiB instead of the device's (0 = the device's)")
     plan_only: bool = _opt(False, "print the memory plan (needs only the model's config.json) and exit")
-    save_minutes: float = _opt(5.0, "also checkpoint when this many minutes passed since the last one "
+    save_minutes: float = _opt(15.0, "also checkpoint when this many minutes passed since the last one "
                                "(0 = off)")
 
     def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
@@ -391,18 +391,18 @@ def critic_change(psi, rewards, group_size, balance=True):
 # One training step: sample, verify, pi_old log-probs, M updates, metrics (README: PACS in ten lines)
 # =====================================================================================================
 def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model=None, critic=None,
-               critic_optimizer=None, ref_model=None):
-    """One step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: the weights generate()
-    runs with (a bf16 copy on CUDA, refreshed by the caller after each step); default: model. critic,
-    critic_optimizer: PPO's value model and its AdamW (--algo ppo). ref_model: PACS's pi_ref when it is not this
-    rollout's pi_old (--ref-reset-every, between resets); None: r_hat is scored against pi_old."""
-    G, P, M = cfg.group_size, cfg.prompts_per_step, cfg.num_mini_batches
+               critic_optimizer=None, ref_model=None, sizes=None):
+    """One step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: generate()'s weights (a
+    bf16 copy on CUDA, refreshed by the caller after each step; default: model). critic, critic_optimizer: PPO's
+    value model and its AdamW (--algo ppo). ref_model: PACS's pi_ref when not this rollout's pi_old (between resets
+    of --ref-reset-every; None: pi_old). sizes: the batch sizes (a Sizes, halved by OOM retries; default: cfg's)."""
+    G, P, M, sizes = cfg.group_size, cfg.prompts_per_step, cfg.num_mini_batches, sizes or Sizes.typed(cfg)
     t0 = time.time()
     batch = [problems[i] for i in batch_indices(step, len(problems), P, cfg.seed)]
     prompts = [build_prompt(tokenizer, p["problem"]) for p in batch]
     # ---- 1. sample: G responses per prompt from pi_old (PACS in ten lines: 1) ---------------------------
     roll = sample(rollout_model or model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                  batch_prompts=cfg.gen_batch_prompts, on_smaller=lambda n: setattr(cfg, "gen_batch_prompts", n))
+                  batch_prompts=sizes.gen_batch_prompts, on_smaller=lambda n: setattr(sizes, "gen_batch_prompts", n))
     roll = {k: v.to(device) for k, v in roll.items()}
     t_gen = time.time()
     # ---- 2. verify: R in {0, 1} per response (ten lines: 2) ---------------------------------------------
@@ -429,21 +429,21 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     while True:
         try:
             with torch.no_grad(), _autocast(cfg, device):
-                for sl in _micro_slices(slice(0 if ref_model is not None else rows_per_mini, B), cfg.micro_batch_size):
+                for sl in _micro_slices(slice(rows_per_mini * (ref_model is None), B), sizes.micro_batch_size):
                     old_logprobs[sl], ent = _logprobs(cfg, model, roll, sl, with_entropy=True)
                     entropy_sum += (ent * mask[sl]).sum()
                 if ref_model is not None:  # the frozen pi_ref, every row, on the same route as pi_old's
                     ref_logprobs = torch.cat([_logprobs(cfg, ref_model, roll, sl)[0]
-                                              for sl in _micro_slices(slice(0, B), cfg.micro_batch_size)])
+                                              for sl in _micro_slices(slice(0, B), sizes.micro_batch_size)])
                 if critic is not None:  # PPO: the critic's V(s_t) (B, T) of every row, before any update
                     old_values = torch.cat([_values(cfg, critic, roll, sl)
-                                            for sl in _micro_slices(slice(0, B), cfg.micro_batch_size)])
+                                            for sl in _micro_slices(slice(0, B), sizes.micro_batch_size)])
             break
         except torch.OutOfMemoryError as e:
             error = str(e)
         entropy_sum.zero_()
-        _retry_smaller(cfg, f"step {step}: old log-probs", error)  # outside `except`: the failed tensors are freed
-    lp_rows = cfg.micro_batch_size
+        _retry_smaller(cfg, sizes, f"step {step}: old log-probs", error)  # outside `except`: failed tensors are freed
+    lp_rows = sizes.micro_batch_size
     advantages = None
     if critic is not None:
         # PPO: the outcome reward R sits on each response's last token; GAE over the whole rollout (verl's
@@ -465,7 +465,7 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
         first = m == 0 and ref_logprobs is None  # mini-batch 0 fills its own pi_old log-probs
         (loss, psi, ent), grad_norm, applied = optimizer_step(
             cfg, model, optimizer, f"step {step}: mini-batch {m}", lambda: accumulate_mini_batch(
-                cfg, model, roll, reference, mask, rewards, mini, first, device, advantages, lp_rows))
+                cfg, model, roll, reference, mask, rewards, mini, first, device, advantages, lp_rows, sizes), sizes)
         entropy_sum += ent
         losses.append(loss)
         grad_norms.append(grad_norm)
@@ -476,7 +476,7 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
             critic.train()
             critic_out.append(optimizer_step(cfg, critic, critic_optimizer, f"step {step}: critic mini-batch {m}",
                                              lambda: accumulate_critic(cfg, critic, roll, old_values, returns, mask,
-                                                                       mini, device)))
+                                                                       mini, device, sizes), sizes))
             critic.eval()
     model.eval()
     t_end = time.time()
@@ -493,7 +493,7 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
             metrics["critic_auc_first"] = (won / pairs).item() if pairs else None
     if critic is not None:
         metrics.update(value_model_metrics(old_values, returns, mask, rewards, G, later, critic_out))
-    metrics.update({"micro_batch_size": cfg.micro_batch_size,
+    metrics.update({**dataclasses.asdict(sizes),
                     "time_generate": t_gen - t0, "time_verify": t_verify - t_gen, "time_old_logprobs": t_old - t_verify,
                     "time_update": t_end - t_old, "step_time": t_end - t0, "samples_per_s": B / (t_end - t0)})
     examples = [{"problem": batch[i // G]["problem"], "answer": batch[i // G]["answer"], "response": texts[i],
@@ -502,12 +502,12 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
 
 
 def accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini, first, device, advantages=None,
-                          lp_rows=None):
-    """Forward/backward of one mini-batch (the rows `mini`, whole groups) in micro-batches of
-    cfg.micro_batch_size rows; gradients accumulate in .grad. On the first mini-batch (pi_theta == pi_old)
+                          lp_rows=None, sizes=None):
+    """Forward/backward of one mini-batch (the rows `mini`, whole groups) in micro-batches of sizes.micro_batch_size
+    rows (default: cfg's); gradients accumulate in .grad. On the first mini-batch (pi_theta == pi_old)
     it also fills old_logprobs[mini]. lp_rows: the rows of the step's log-prob forwards (phase 3's; default
     the micro-batch size). advantages (B, T): PPO's. Returns (loss, psi or None, entropy sum), tensors."""
-    G, mb, autocast = cfg.group_size, cfg.micro_batch_size, _autocast(cfg, device)
+    G, mb, autocast = cfg.group_size, (sizes or Sizes.typed(cfg)).micro_batch_size, _autocast(cfg, device)
     lp_rows = lp_rows or mb
     adv = (lambda rows: None) if advantages is None else (lambda rows: advantages[rows])
     total, psis, entropy = 0.0, [], torch.zeros((), device=device)
@@ -555,12 +555,12 @@ def accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini, f
     return total, psi, entropy
 
 
-def accumulate_critic(cfg, critic, roll, old_values, returns, mask, mini, device):
-    """PPO's value model: forward/backward of value_loss on the rows `mini` in micro-batches of
-    cfg.micro_batch_size rows (no coupling between rows: any split gives the mini-batch's gradient).
+def accumulate_critic(cfg, critic, roll, old_values, returns, mask, mini, device, sizes=None):
+    """PPO's value model: forward/backward of value_loss on the rows `mini` in micro-batches of sizes.micro_batch_size
+    rows (default: cfg's; no coupling between rows: any split gives the mini-batch's gradient).
     Returns (value loss, tokens where the clipped loss was the larger), tensors."""
     total, clipped, c = 0.0, torch.zeros((), device=device), cfg.value_clip
-    for sl in _micro_slices(mini, cfg.micro_batch_size):
+    for sl in _micro_slices(mini, (sizes or Sizes.typed(cfg)).micro_batch_size):
         with _autocast(cfg, device):
             values = _values(cfg, critic, roll, sl)  # (b, T) V(s_t), 0 past each response
         loss = (value_loss(values, old_values[sl], returns[sl], mask[sl], c, cfg.loss_agg, cfg.max_new_tokens)
@@ -607,10 +607,10 @@ def _loss_share(cfg, mask, sl, mini):
     return mask[sl].sum() / mask[mini].sum().clamp(min=1)  # a tensor: no host sync
 
 
-def optimizer_step(cfg, model, optimizer, what, accumulate):
+def optimizer_step(cfg, model, optimizer, what, accumulate, sizes):
     """accumulate() (forward/backward into .grad), then one optimizer step: (accumulate's result, grad norm
-    before clipping, applied). An out-of-memory error halves --micro-batch-size and redoes accumulate from clean
-    gradients; a non-finite gradient norm skips the step; --max-grad-norm clips. The gradients are freed after."""
+    before clipping, applied). Out of memory, sizes.micro_batch_size (which accumulate reads) halves and accumulate
+    reruns from clean gradients; a non-finite grad norm skips the step; --max-grad-norm clips; gradients freed."""
     while True:
         optimizer.zero_grad(set_to_none=True)
         try:
@@ -619,7 +619,7 @@ def optimizer_step(cfg, model, optimizer, what, accumulate):
         except torch.OutOfMemoryError as e:
             error = str(e)
         optimizer.zero_grad(set_to_none=True)  # the partial gradients go before the cache is emptied
-        _retry_smaller(cfg, what, error)
+        _retry_smaller(cfg, sizes, what, error)
     # the one host sync per mini-batch: the skip decision needs the norm's value
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in
                                                  model.parameters() if p.grad is not None]))
@@ -659,7 +659,7 @@ def train(cfg):
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    device = resolve_device(cfg.device)
+    device = pick_device(cfg)
     if cfg.plan_only:  # the plan needs the architecture only: config.json, no weights, no device
         model_config = load_model_config(cfg.model)
         return plan_memory(cfg, model_config, count_parameters(model_config), device.type)
@@ -667,7 +667,7 @@ def train(cfg):
     resume_from = latest_checkpoint(cfg.out_dir) if cfg.resume else None
     if cfg.resume and resume_from is None:
         print(f"[resume] no checkpoint in {cfg.out_dir}: starting from step 0", file=sys.stderr)
-    model, rollout_model, tokenizer = setup_model(cfg, resume_from or cfg.model, device)
+    model, rollout_model, tokenizer, sizes = setup_model(cfg, resume_from or cfg.model, device)
 
     problems = load_problems(cfg.dataset, "train", cfg.data_dir, cfg.problem_key, cfg.answer_key)
     n_before = len(problems)
@@ -708,7 +708,7 @@ def train(cfg):
             if state.get("reference") is None:
                 raise ConfigError(f"{resume_from} holds no pi_ref (made with --ref-reset-every 1): resume with that")
             ref_model.load_state_dict(state["reference"])
-        start = state["step"] + 1
+        start, sizes = state["step"] + 1, resumed_sizes(cfg, sizes, state)
         print(f"[resume] {resume_from}: continuing at step {start}", file=sys.stderr)
     # rows past the checkpoint (a kill after logging, before saving) are dropped: they will be redone
     rows = []
@@ -726,13 +726,13 @@ def train(cfg):
     for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True):
         ref_is_old = reset_reference(cfg, step, model, ref_model, optimizer)
         metrics, examples = train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model,
-                                       critic, critic_optimizer, None if ref_is_old else ref_model)
+                                       critic, critic_optimizer, None if ref_is_old else ref_model, sizes)
         if rollout_model is not model:
             copy_weights(rollout_model, model)
         last = step == cfg.steps - 1
         if eval_problems and (step % cfg.eval_every == 0 or last):
             metrics["eval_acc"] = greedy_accuracy(rollout_model, tokenizer, eval_problems, cfg.max_new_tokens,
-                                                  cfg.gen_batch_prompts)
+                                                  sizes.gen_batch_prompts)
         tqdm_write(step_line(metrics))
         with open(metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
@@ -743,7 +743,7 @@ def train(cfg):
             tqdm_write(f"  sample (R={e['reward']:.0f}, gold {e['answer']}): {e['response'][:200]!r}")
         overdue = cfg.save_minutes > 0 and time.time() - last_save >= 60 * cfg.save_minutes
         if (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0) or overdue or last:
-            save_checkpoint(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer, ref_model)
+            save_checkpoint(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer, ref_model, sizes)
             last_save = time.time()
     return model
 
@@ -794,15 +794,43 @@ def valid_micro_batch_sizes(cfg):
                   {m for m in range(G, rows_per_mini + 1, G) if rows_per_mini % m == 0})
 
 
-def _retry_smaller(cfg, what, error):
+@dataclass
+class Sizes:
+    """The batch sizes a run works at, kept apart from cfg (which stays what the user typed): --micro-batch-size and
+    --gen-batch-prompts as typed, the memory plan's where they are 0, then as out-of-memory retries halved them.
+    Logged with every step's metrics, saved in each checkpoint's trainer_state.pt, restored by --resume."""
+    micro_batch_size: int
+    gen_batch_prompts: int
+
+    @classmethod
+    def typed(cls, cfg):
+        """The sizes as cfg gives them, unplanned (gen_batch_prompts 0: all prompts in one generate call)."""
+        return cls(cfg.micro_batch_size, cfg.gen_batch_prompts)
+
+
+def resumed_sizes(cfg, planned, state):
+    """The sizes a resumed run continues at: the checkpoint's (the plan's, or what out-of-memory retries halved them
+    to), so that its micro-batches and generate calls are the uninterrupted run's, for each size whose flag is
+    typed as in the run that saved it; a flag typed differently now takes the plan's size (`planned`)."""
+    saved, typed = state.get("sizes"), state.get("config", {})
+    if saved is None:  # a checkpoint from before sizes were saved
+        return planned
+    sizes = Sizes(**{k: saved[k] if getattr(cfg, k) == typed.get(k) else v for k, v in
+                     dataclasses.asdict(planned).items()})
+    if sizes != planned:
+        print(f"[resume] batch sizes as the checkpoint left them: {sizes} (the plan: {planned})", file=sys.stderr)
+    return sizes
+
+
+def _retry_smaller(cfg, sizes, what, error):
     """After an out-of-memory error (called outside the `except` block, whose traceback would keep the failed
-    step's tensors alive): halve --micro-batch-size (to the next allowed size), logged, and empty the cache."""
-    smaller = [s for s in valid_micro_batch_sizes(cfg) if s <= cfg.micro_batch_size // 2]
+    step's tensors alive): halve sizes.micro_batch_size (to the next allowed size), logged, and empty the cache."""
+    smaller = [s for s in valid_micro_batch_sizes(cfg) if s <= sizes.micro_batch_size // 2]
     if not smaller:
-        raise ConfigError(f"out of memory in {what} with --micro-batch-size {cfg.micro_batch_size}: lower "
+        raise ConfigError(f"out of memory in {what} with --micro-batch-size {sizes.micro_batch_size}: lower "
                           f"--max-new-tokens or use --gradient-checkpointing ({error.splitlines()[0]})")
-    tqdm_write(f"[memory] out of memory in {what}: --micro-batch-size {cfg.micro_batch_size} -> {smaller[-1]}")
-    cfg.micro_batch_size = smaller[-1]
+    tqdm_write(f"[memory] out of memory in {what}: --micro-batch-size {sizes.micro_batch_size} -> {smaller[-1]}")
+    sizes.micro_batch_size = smaller[-1]
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -834,8 +862,8 @@ def rollout_updates(cfg, model, optimizer, roll, rewards, device):
     log-probs, then one optimizer step per mini-batch of whole groups, as train_step runs them (PACS). Returns
     [(psi (B/M,), loss)], one per mini-batch, psi scored at the weights that mini-batch trains from: 0 on
     mini-batch 0, where pi_theta == pi_old; on the later ones, what the earlier updates taught the critic."""
-    B, M, mb = len(rewards), cfg.num_mini_batches, cfg.micro_batch_size
-    rows_per_mini = B // M
+    B, M, sizes = len(rewards), cfg.num_mini_batches, Sizes.typed(cfg)
+    rows_per_mini, mb = B // M, sizes.micro_batch_size
     mask = roll["response_mask"].float()  # (B, T)
     old_logprobs = torch.zeros_like(mask)  # (B, T); mini-batch 0 fills its own rows, at pi_old
     with torch.no_grad(), _autocast(cfg, device):
@@ -846,7 +874,7 @@ def rollout_updates(cfg, model, optimizer, roll, rewards, device):
     for m in range(M):
         mini = slice(m * rows_per_mini, (m + 1) * rows_per_mini)
         (loss, psi, _), _, _ = optimizer_step(cfg, model, optimizer, f"mini-batch {m}", lambda: accumulate_mini_batch(
-            cfg, model, roll, old_logprobs, mask, rewards, mini, m == 0, device, None, mb))
+            cfg, model, roll, old_logprobs, mask, rewards, mini, m == 0, device, None, mb, sizes), sizes)
         out.append((psi, float(loss)))
     model.eval()
     return out
@@ -1091,6 +1119,64 @@ def resolve_device(name):
     return torch.device(name)
 
 
+# Tokens a step generates (prompts x G x --max-new-tokens) above which --device auto refuses to fall back to the CPU.
+# The defaults generate 1,048,576 (days per step on a CPU); the CPU runs of this project, 1,024 to 8,192 (the lab).
+GPU_SCALE_TOKENS = 2 ** 16
+
+
+def pick_device(cfg):
+    """The run's torch.device, as resolve_device, with two refusals in one line naming why CUDA is unusable (a driver
+    older than the wheel, no driver, a CPU-only torch): --device cuda without a usable GPU, and --device auto without
+    one at GPU-scale settings (GPU_SCALE_TOKENS: the defaults), where a silent CPU fallback would run for days.
+    --device cpu and --plan-only are never refused. On CUDA, the allocator's expandable segments (see below)."""
+    tokens = cfg.prompts_per_step * cfg.group_size * cfg.max_new_tokens
+    if cfg.device != "cpu" and not cfg.plan_only and not torch.cuda.is_available():
+        if cfg.device == "cuda":
+            raise ConfigError(f"--device cuda, but CUDA is unusable here: {cuda_unusable_cause()}")
+        if tokens > GPU_SCALE_TOKENS:
+            raise ConfigError(f"--device auto found no usable GPU ({cuda_unusable_cause()}), and these settings "
+                              f"generate {tokens:,} tokens per step, GPU scale: fix CUDA, or pass --device cpu")
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and not cfg.plan_only:
+        use_expandable_segments()
+    return device
+
+
+def cuda_unusable_cause():
+    """Why torch cannot use CUDA here, in one line: torch's own words where it has them."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    try:
+        torch.cuda.init()  # raises with the reason: no NVIDIA driver, a driver too old for this build, ...
+    except Exception as e:  # noqa: BLE001 (any failure is the answer)
+        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return "torch.cuda.is_available() is False"
+
+
+ALLOC_CONF = "expandable_segments:True"
+
+
+def use_expandable_segments():
+    """PyTorch's allocator with expandable segments on CUDA, unless the user set PYTORCH_CUDA_ALLOC_CONF (or
+    PYTORCH_ALLOC_CONF), said on stderr either way. generate() grows transformers' dynamic KV cache by torch.cat at
+    every decode step, two tensors per layer reallocated per token, each a little larger: in fixed-size segments
+    the freed blocks fit no later request, and the reserved memory climbs to the card's limit. Expandable segments
+    grow in place. Set before the allocator's first use, and again at run time in case it has read the variable."""
+    given = {k: os.environ[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if os.environ.get(k)}
+    if given:
+        print(f"[memory] CUDA allocator settings as given: {given}", file=sys.stderr)
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+    # torch >= 2.9's call (torch.cuda.memory._set_allocator_settings, the older one, warns there that it is deprecated)
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch.cuda.memory, "_set_allocator_settings", None)
+    if set_settings is not None:
+        set_settings(ALLOC_CONF)
+    print(f"[memory] PYTORCH_CUDA_ALLOC_CONF={ALLOC_CONF} (set by pacs.py: generate's growing KV cache fragments "
+          "fixed segments; set the variable yourself to choose otherwise)", file=sys.stderr)
+    return True
+
+
 def resolve_model_path(name):
     """What from_pretrained loads for a model name: a hub id or a directory as given, a .gguf file or
     'smollm2' as its dequantised directory (cached); a path that does not exist is a ConfigError."""
@@ -1186,8 +1272,10 @@ def _generate(model, tokenizer, prompts, group_size, gen_cfg, eos, pad):
     cache = None
     if group_size > 1 and ids.shape[1] > 1:
         p_ids, p_attn = enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1]
-        cache = model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(1) - 1).clamp(min=0),
-                      use_cache=True, logits_to_keep=1).cache
+        out = model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(1) - 1).clamp(min=0),
+                    use_cache=True, logits_to_keep=1)
+        check_finite(out.logits, "logits of generate's prefill", p_attn)
+        cache = out.cache
         cache.batch_repeat_interleave(group_size)
     out = generate_exactly(model, gen_cfg, input_ids=ids, attention_mask=attn, cache=cache)  # (n*G, Lp+T)
     resp = out[:, ids.shape[1]:]  # (n*G, T)
@@ -1260,19 +1348,19 @@ def tqdm_write(msg):
 LOGITS_CHUNK = 1024  # response tokens per LM-head + log-softmax chunk: bounds the logits' memory
 
 
-def _token_logprobs(lm_head, hidden, targets, temperature):  # (n, H), (n,) -> (n,)
+def _token_logprobs(lm_head, hidden, targets, temperature, with_entropy=False):  # (n, H), (n,) -> (n,), (n,)|None
     # log pi(target) = logit(target)/tau - logsumexp(logits/tau): the LM head runs here, on n tokens only, so
     # the (n, V) logits exist one chunk at a time (in fp32 for the softmax), never for the whole micro-batch
     logits = lm_head(hidden).float()  # (n, V)
     logits = logits / temperature if temperature != 1.0 else logits
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-
-
-@torch.no_grad()
-def _token_entropy(lm_head, hidden, temperature):  # (n, H) -> (n,), a metric: never differentiated
-    logits = lm_head(hidden).float()
-    logits = logits / temperature if temperature != 1.0 else logits
-    return logits.logsumexp(-1) - (torch.softmax(logits, -1) * logits).sum(-1)  # H = log Z - E_p[logit]
+    log_z = logits.logsumexp(-1)
+    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
+    if not with_entropy:
+        return logprobs, None
+    # the entropy, a metric (never differentiated), from the same logits: one LM head pass, not two. Under
+    # checkpoint() its recomputation in backward stops before this, once the log-probs' saved tensors are back
+    with torch.no_grad():
+        return logprobs, log_z - (torch.softmax(logits, -1) * logits).sum(-1)  # H = log Z - E_p[logit]
 
 
 def response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size=1, shared_prompt=True):
@@ -1340,11 +1428,12 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     for s in range(0, len(targets), chunk):
         h, tg = hidden[s:s + chunk], targets[s:s + chunk]
         if torch.is_grad_enabled():  # recompute the chunk's logits in backward instead of storing them
-            logprobs.append(checkpoint(_token_logprobs, lm_head, h, tg, temperature, use_reentrant=False))
+            lp, ent = checkpoint(_token_logprobs, lm_head, h, tg, temperature, with_entropy, use_reentrant=False)
         else:
-            logprobs.append(_token_logprobs(lm_head, h, tg, temperature))
+            lp, ent = _token_logprobs(lm_head, h, tg, temperature, with_entropy)
+        logprobs.append(lp)
         if with_entropy:
-            entropy.append(_token_entropy(lm_head, h, temperature))
+            entropy.append(ent)
     width = response_ids.shape[1]
     logprobs = _scatter_response(torch.cat(logprobs) if logprobs else hidden.new_zeros(0), keep, width)
     entropy = _scatter_response(torch.cat(entropy) if entropy else hidden.new_zeros(0), keep, width) \
@@ -1367,10 +1456,43 @@ def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask
 
 def _logprobs(cfg, model, roll, rows, with_entropy=False):
     """response_logprobs of the rollout's rows on the step's route: each group's prompt run once (rows of a
-    slice smaller than a group share one prompt), unless --gradient-checkpointing."""
-    return response_logprobs(model, *_rows(roll, rows), cfg.temperature, with_entropy=with_entropy,
-                             group_size=min(cfg.group_size, rows.stop - rows.start),
-                             shared_prompt=not cfg.gradient_checkpointing)
+    slice smaller than a group share one prompt), unless --gradient-checkpointing; on CUDA under the pinned
+    attention kernels (pin_attention), and checked finite (check_finite)."""
+    with pin_attention(roll["prompt_ids"].device.type):
+        lp, ent = response_logprobs(model, *_rows(roll, rows), cfg.temperature, with_entropy=with_entropy,
+                                    group_size=min(cfg.group_size, rows.stop - rows.start),
+                                    shared_prompt=not cfg.gradient_checkpointing)
+    check_finite(lp, f"log-probs of rows {rows.start}..{rows.stop - 1}", roll["prompt_mask"][rows])
+    return lp, ent
+
+
+# SDPA's kernels on CUDA, pinned wherever log-probs are taken: psi = 0 at pi_theta == pi_old needs the no-grad
+# forwards of phase 3 and the grad forwards of phase 4 to run the same kernel, and SDPA picks by the inputs
+# (requires_grad among them). Flash takes the calls without a mask (and GQA's), memory-efficient those with one
+# (left padding); math (O(T^2) memory) and cuDNN (its own rules, release by release) never run. setup_model also
+# turns math and cuDNN off for the whole run, so --gradient-checkpointing's recomputation in backward and
+# generate() take the same kernels. On the CPU nothing changes.
+PINNED_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def pin_attention(device_type):
+    """A context that lets SDPA take only the PINNED_SDPA kernels on CUDA; elsewhere it does nothing."""
+    from contextlib import nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if device_type != "cuda":
+        return nullcontext()
+    return sdpa_kernel([getattr(SDPBackend, name) for name in PINNED_SDPA])
+
+
+def check_finite(values, what, prompt_mask):
+    """A one-line ConfigError when values (b, ...) hold a NaN or an inf, naming how many of those rows had a
+    left-padded prompt: the rows of padding attend to no key, transformers 5 counts on the attention kernel to
+    return zeros there, and a kernel that returns NaN instead spreads it to every token of the row."""
+    bad = ~torch.isfinite(values.detach()).flatten(1).all(1)  # (b,)
+    if bad.any():  # one host sync per forward
+        padded = int((prompt_mask[bad] == 0).any(1).sum())
+        raise ConfigError(f"non-finite {what}: {int(bad.sum())} of {len(bad)} rows, {padded} of them with a "
+                          "left-padded prompt (NaN from the attention kernel on rows of padding? see docs/gpu.md)")
 
 
 def _values(cfg, critic, roll, rows):
@@ -1531,12 +1653,16 @@ def _rollout_dtype(cfg, device_type):
 
 
 def device_memory(device_type, memory_gib=0.0):
-    """Bytes the device reports (--memory-gib: as if it reported that many GiB). A "24 GB" card reports less:
-    22.5 GiB for an A10G or an L4."""
+    """Bytes the plan starts from, counted as a card reports its size (plan_budget then takes the CUDA context off).
+    --memory-gib: as if the card reported that many GiB (a "24 GB" card reports 22.5 GiB: an A10G, an L4). On CUDA
+    otherwise what this process can have, not the card's total: the free memory (torch.cuda.mem_get_info, which a
+    display or another process has already taken from) plus what this process holds (its allocator's reserved
+    memory, the loaded weights among it, and its CUDA context). On the CPU, the machine's RAM."""
     if memory_gib > 0:
         return memory_gib * GiB
     if device_type == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory
+        free, total = torch.cuda.mem_get_info()
+        return min(total, free + torch.cuda.memory_reserved() + CUDA_CONTEXT)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -1550,20 +1676,22 @@ def plan_budget(device_type, total):
 
 
 def plan_memory(cfg, model_config, n_params, device_type):
-    """Fill in --micro-batch-size and --gen-batch-prompts when 0 (auto: the largest that fit), refuse
-    settings that do not fit with a one-line error naming the flag, and print the plan."""
+    """(sizes, parts): the run's Sizes, --micro-batch-size and --gen-batch-prompts as typed or, where 0 (auto), the
+    largest that fit, and the plan's parts; refuse settings that do not fit with a one-line error naming the flag,
+    and print the plan. cfg is left as typed."""
     total = device_memory(device_type, cfg.memory_gib)
     budget = plan_budget(device_type, total)
     plan = lambda mb, gb: memory_plan(cfg, model_config, n_params, device_type, mb, gb)
     P, G = cfg.prompts_per_step, cfg.group_size
-    if cfg.gen_batch_prompts == 0:
+    sizes = Sizes.typed(cfg)
+    if sizes.gen_batch_prompts == 0:
         fits = [d for d in range(1, P + 1) if P % d == 0 and plan(1, d)["peak: generate"] <= budget]
-        cfg.gen_batch_prompts = fits[-1] if fits else 1
-    if cfg.micro_batch_size == 0:  # whole groups when they fit (fastest), else a group split in rows
+        sizes.gen_batch_prompts = fits[-1] if fits else 1
+    if sizes.micro_batch_size == 0:  # whole groups when they fit (fastest), else a group split in rows
         fits = [s for s in valid_micro_batch_sizes(cfg) if s <= G and plan(s, 1)["peak: update"] <= budget]
-        cfg.micro_batch_size = fits[-1] if fits else 1
-    parts = plan(cfg.micro_batch_size, cfg.gen_batch_prompts)
-    print(format_plan(cfg, parts, device_type, total), file=sys.stderr)
+        sizes.micro_batch_size = fits[-1] if fits else 1
+    parts = plan(sizes.micro_batch_size, sizes.gen_batch_prompts)
+    print(format_plan(cfg, sizes, parts, device_type, total), file=sys.stderr)
     context = " less the CUDA context" if device_type == "cuda" else ""
     over = f"over the budget of {budget / GiB:.1f} GiB ({total / GiB:.1f} GiB{context}, 90%)"
     state = parts["state (held throughout)"]
@@ -1572,35 +1700,37 @@ def plan_memory(cfg, model_config, n_params, device_type):
             ["an --algo without a value model (pacs, grpo, reinforce)"] if cfg.algo == "ppo" else [])
         raise ConfigError(f"memory plan: the weights and AdamW states alone need {state / GiB:.1f} GiB, {over}: "
                           f"use {', '.join(ways)}{', or ' if ways else ''}a larger card")
+    gb, mb = sizes.gen_batch_prompts, sizes.micro_batch_size
     if parts["peak: generate"] > budget:
         raise ConfigError(f"memory plan: generate needs {parts['peak: generate'] / GiB:.1f} GiB, {over}: "
-                          + (f"lower --gen-batch-prompts (now {cfg.gen_batch_prompts}) or " if cfg.gen_batch_prompts > 1
+                          + (f"lower --gen-batch-prompts (now {gb}) or " if gb > 1
                              else "lower ") + "--max-new-tokens or --max-prompt-tokens")
     if parts["peak: update"] > budget:
         hint = ""
         if not cfg.gradient_checkpointing:  # say whether checkpointing alone would make it fit, and at what size
             ckpt = dataclasses.replace(cfg, gradient_checkpointing=True)
-            fits = [(s, p) for s in valid_micro_batch_sizes(cfg) if s <= max(G, cfg.micro_batch_size)
-                    for p in [memory_plan(ckpt, model_config, n_params, device_type, s, cfg.gen_batch_prompts)]
+            fits = [(s, p) for s in valid_micro_batch_sizes(cfg) if s <= max(G, mb)
+                    for p in [memory_plan(ckpt, model_config, n_params, device_type, s, gb)]
                     if p["peak"] <= budget]
             hint = ", or add --gradient-checkpointing" + (f" (planned: {fits[-1][1]['peak'] / GiB:.1f} GiB at "
                                                           f"--micro-batch-size {fits[-1][0]})" if fits else "")
         raise ConfigError(f"memory plan: the update needs {parts['peak: update'] / GiB:.1f} GiB, {over}: "
-                          + (f"lower --micro-batch-size (now {cfg.micro_batch_size}), " if cfg.micro_batch_size > 1
+                          + (f"lower --micro-batch-size (now {mb}), " if mb > 1
                              else "lower ") + "--max-new-tokens or --max-prompt-tokens" + hint)
-    return parts
+    return sizes, parts
 
 
-def format_plan(cfg, parts, device_type, total):
+def format_plan(cfg, sizes, parts, device_type, total):
     gib = lambda k: f"{parts[k] / GiB:.2f}"
-    G, Lp, T, mb = cfg.group_size, cfg.max_prompt_tokens, cfg.max_new_tokens, cfg.micro_batch_size
+    G, Lp, T, mb = cfg.group_size, cfg.max_prompt_tokens, cfg.max_new_tokens, sizes.micro_batch_size
     headroom = f"90% of the rest after {CUDA_CONTEXT / GiB:.1f} of CUDA context" if device_type == "cuda" else "90%"
     lines = [
         f"[memory] plan on {device_type} with {total / GiB:.1f} GiB (GiB; prompts {Lp} + responses {T} tokens):",
         f"  state     weights {gib('weights (fp32)')} | AdamW {gib('AdamW moments (fp32)')} | "
         f"rollout copy {gib('rollout copy')}"
         + (f" | reference copy {gib('reference copy (fp32)')}" if parts["reference copy (fp32)"] else ""),
-        f"  generate  {cfg.gen_batch_prompts} prompts x {G} per call: KV cache {gib('KV cache of one generate call')}"
+        f"  generate  {sizes.gen_batch_prompts} prompts x {G} per call: "
+        f"KV cache {gib('KV cache of one generate call')}"
         f" | logits {gib('generate: sampling logits')} | prefill {gib('generate: prefill')}",
         f"  update    {mb} rows per micro-batch: activations {gib('activations of a micro-batch')} | "
         f"attention masks {gib('attention masks (SDPA)')} | gradients {gib('gradients (fp32)')} | "
@@ -1645,9 +1775,11 @@ def copy_weights(dst, src):
 
 
 # ---- checkpoints: HF format + optimizer/RNG/step, written to a temp dir then renamed ----------------
-def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_optimizer=None, ref_model=None):
+def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_optimizer=None, ref_model=None,
+                    sizes=None):
     """OUT/checkpoint-NNNNNN: the model and tokenizer (HF format), PPO's value model in critic/, and
-    trainer_state.pt (optimizers, RNG, step, PACS's frozen pi_ref), written to a temporary dir and renamed."""
+    trainer_state.pt (optimizers, RNG, step, PACS's frozen pi_ref, the run's batch sizes), written to a temporary
+    dir and renamed."""
     final = os.path.join(cfg.out_dir, f"checkpoint-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -1660,6 +1792,7 @@ def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_
                 "rng_numpy": np.random.get_state(), "rng_torch": torch.get_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                 "reference": ref_model.state_dict() if ref_model is not None else None,
+                "sizes": dataclasses.asdict(sizes) if sizes is not None else None,
                 "config": dataclasses.asdict(cfg)}, os.path.join(tmp, "trainer_state.pt"))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)  # a kill before this line leaves the previous checkpoint as the latest
@@ -1780,22 +1913,24 @@ def load_value_model(cfg, path, device):
 
 
 def setup_model(cfg, path, device):
-    """(model, rollout_model, tokenizer): the fp32 model to train, the copy generate() runs on, and the
-    memory plan printed (it fills in --micro-batch-size / --gen-batch-prompts when they are 0)."""
+    """(model, rollout_model, tokenizer, sizes): the fp32 model to train, the copy generate() runs on, and the run's
+    batch sizes from the memory plan, printed (its --micro-batch-size / --gen-batch-prompts where they are 0)."""
     if device.type == "cuda":  # TF32 for the fp32 matmuls that remain outside autocast
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.enable_math_sdp(False)  # SDPA: the pinned kernels only, all run long (PINNED_SDPA)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA
     model, tokenizer = load_model(path, device, torch.float32)
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable()
     model.eval()
-    plan_memory(cfg, model.config, sum(p.numel() for p in model.parameters()), device.type)
+    sizes, _ = plan_memory(cfg, model.config, sum(p.numel() for p in model.parameters()), device.type)
     # generate() runs on a copy in the rollout dtype (bf16 on CUDA: bf16 matmuls and a bf16 KV cache),
     # refreshed from the fp32 weights after every step; old_logprobs still come from the training model
     rollout_model = model
     if _rollout_dtype(cfg, device.type) != torch.float32:
         rollout_model = rollout_copy(model, _rollout_dtype(cfg, device.type)).eval()
-    return model, rollout_model, tokenizer
+    return model, rollout_model, tokenizer, sizes
 
 
 if __name__ == "__main__":

@@ -2,24 +2,30 @@
 
 The stand-in is Qwen2.5-0.5B-Instruct's exact architecture with random weights, its real tokenizer, chat
 template and generation config (../shared/models/qwen2.5-0.5b-instruct: no weights needed). Prompts are
-MATH problems from ../shared/data cut to exactly --max-prompt-tokens, and every response is forced to
+MATH problems from ../shared/data cut to exactly --max-prompt-tokens (--varied-prompts N: to lengths drawn from
+N..--max-prompt-tokens, so that generate and the trainer meet left padding), and every response is forced to
 --max-new-tokens (EOS banned before that), so the work is the default run's worst case. It runs pacs.py's
-own code (setup_model, train_step) and prints the step time split (generate / old log-probs / update),
-generated tokens/s, peak memory against pacs.py's memory plan (on CUDA the allocated peak, beside the reserved
-peak and the device's own count of memory in use), the update's model-FLOPs utilisation and the projected wall
-time of the default 300-step run.
+own code (pick_device, setup_model, train_step) and prints the step time split (generate / old log-probs /
+update), generated tokens/s, the peak memory of generate and of the update (read and reset between them) against
+pacs.py's memory plan (on CUDA the allocated peaks, beside the reserved peaks and the device's own count of memory
+in use), the update's model-FLOPs utilisation and the projected wall time of the default 300-step run. On CUDA,
+--memory-gib also caps PyTorch's allocator (cap_allocator), so that a large card meets a small one's limit.
 
     python benchmarks/gpu_step.py                             # CUDA, all pacs.py defaults
-    python benchmarks/gpu_step.py --memory-gib 24             # what a 24 GB card gets (plan picks sizes)
+    python benchmarks/gpu_step.py --memory-gib 22.5           # a 24 GB card: its plan, under its allocator limit
+    python benchmarks/gpu_step.py --lr 0 --varied-prompts 128 --expect-psi-zero   # psi == 0 at pi_old, or exit 1
     python benchmarks/gpu_step.py --device cpu --tiny         # smoke test: 2 small layers, real vocab
     python benchmarks/gpu_step.py --device cpu --max-prompt-tokens 64 --max-new-tokens 64 \\
         --prompts-per-step 2 --num-mini-batches 2 --timed-steps 1   # real shape on a CPU: plan vs peak RSS
 
 Any pacs.py flag passes through (--micro-batch-size, --gen-batch-prompts, --gradient-checkpointing, ...).
+benchmarks/gpu_check.sh runs this several times as one prepared GPU check (docs/gpu.md).
 """
 import argparse
+import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -53,14 +59,26 @@ def build_standin(model_dir, out, tiny, seed=0):
 
 def fixed_length_prompts(tokenizer, n, length, data_dir):
     """n chat-template prompts of exactly `length` tokens, made of MATH problems (synthetic ones offline)."""
+    return prompts_of_lengths(tokenizer, [length] * n, data_dir)
+
+
+def varied_length_prompts(tokenizer, n, shortest, longest, data_dir, seed=0):
+    """n chat-template prompts of lengths drawn uniformly from shortest..longest tokens (seeded): batches of them are
+    left-padded, as a real run's are."""
+    rng = random.Random(seed)
+    return prompts_of_lengths(tokenizer, [rng.randint(shortest, longest) for _ in range(n)], data_dir)
+
+
+def prompts_of_lengths(tokenizer, lengths, data_dir):
+    """Chat-template prompts of exactly these token lengths, made of MATH problems (synthetic ones offline)."""
     path = os.path.join(data_dir, "math_train.jsonl")
     rows = pacs.load_problems(path) if os.path.isfile(path) else pacs.synthetic_problems(1000, 0)
     texts = [p["problem"] for p in rows]
     overhead = len(tokenizer(pacs.build_prompt(tokenizer, ""), add_special_tokens=False)["input_ids"])
-    if length <= overhead:
-        sys.exit(f"gpu_step.py: error: --max-prompt-tokens {length} is not above the template's {overhead} tokens")
+    if min(lengths) <= overhead:
+        sys.exit(f"gpu_step.py: error: a prompt of {min(lengths)} tokens is not above the template's {overhead}")
     prompts, i = [], 0
-    for _ in range(n):
+    for length in lengths:
         ids = []
         while len(ids) < length - overhead:  # problems back to back until long enough, then cut
             ids += tokenizer(texts[i % len(texts)] + "\n", add_special_tokens=False)["input_ids"]
@@ -123,43 +141,101 @@ def update_flops(config, n_params, prompt_tokens, response_tokens, rows, groups)
     return 3 * forward
 
 
+def sample_full_length(sample, device, min_new_tokens, phase):
+    """pacs.sample with every response forced to min_new_tokens (EOS banned before: the default run's worst case),
+    which records generate's peak into phase (and on CUDA its reserved peak) and then resets the peak, so that the
+    peak read after train_step is the update's alone: old log-probs and updates, each phase against its own plan."""
+    def wrapped(*a, **k):
+        out = sample(*a, **k, min_new_tokens=min_new_tokens)
+        phase["generate_peak_bytes"] = peak_bytes(device)
+        if device.type == "cuda":
+            phase["generate_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        reset_peak(device)
+        return out
+    return wrapped
+
+
+def cap_allocator(memory_gib):
+    """Cap PyTorch's CUDA allocator at what a card that reports memory_gib GiB leaves it, less the CUDA context (which
+    lives outside the allocator), with torch.cuda.set_per_process_memory_fraction: --memory-gib alone changes the
+    plan, not the allocator, so an 80 GB card would never meet a 24 GB card's fragmentation, out-of-memory errors
+    and pacs.py's retries. Returns (the fraction of the device, the bytes it allows)."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(1.0, (memory_gib * pacs.GiB - pacs.CUDA_CONTEXT) / total)
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    return fraction, fraction * total
+
+
+def allocator_state():
+    """The CUDA allocator's own counts: its retries after a failed cudaMalloc (flushing its cache, a sign of
+    fragmentation), the out-of-memory errors it raised, and whether its segments are expandable."""
+    stats = torch.cuda.memory_stats()
+    try:
+        expandable = any(seg.get("is_expandable", False) for seg in torch.cuda.memory_snapshot())
+    except Exception:  # noqa: BLE001 (an older snapshot format: unknown)
+        expandable = None
+    return {"alloc_retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0),
+            "expandable_segments": expandable}
+
+
+def fail(message, path, result):
+    """One line on stderr and exit 1; the results so far (with the error) still go to --json."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({**result, "error": message}, f, indent=2)
+    sys.exit(f"gpu_step.py: error: {message}")
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Other arguments are pacs.py flags (python pacs.py --help).")
     ap.add_argument("--model-dir", default=os.path.join(SHARED, "models", "qwen2.5-0.5b-instruct"),
                     help="config.json + tokenizer + generation_config of the model to stand in for")
+    ap.add_argument("--standin", default="", help="a stand-in already built (gpu_check.py build): skips building one")
     ap.add_argument("--data-dir", default=os.path.join(SHARED, "data"), help="where math_train.jsonl is")
     ap.add_argument("--tiny", action="store_true", help="2 small layers (real vocab): a smoke test")
-    ap.add_argument("--timed-steps", type=int, default=2, help="steps timed after one warm-up step")
+    ap.add_argument("--varied-prompts", type=int, default=0, metavar="N",
+                    help="prompt lengths drawn from N..--max-prompt-tokens (0: all exactly --max-prompt-tokens)")
+    ap.add_argument("--warmup-steps", type=int, default=1, help="untimed steps first")
+    ap.add_argument("--timed-steps", type=int, default=2, help="steps timed after the warm-up")
     ap.add_argument("--total-steps", type=int, default=300, help="steps of the run to project the wall time of")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="device bf16 peak for MFU (0 = by device name)")
+    ap.add_argument("--no-cap", action="store_true", help="with --memory-gib on CUDA: plan only, no allocator cap")
+    ap.add_argument("--expect-psi-zero", action="store_true",
+                    help="exit 1 unless every step's psi_std is exactly 0 (--lr 0: pi_theta == pi_old throughout)")
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("--_build", default="", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
     if args._build:  # child process: build the stand-in (its memory never counts in the parent's peak)
         return build_standin(args.model_dir, args._build, args.tiny)
-    if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+    if not args.standin and not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         sys.exit(f"gpu_step.py: error: no config.json in {args.model_dir} (see ../shared/models/README.md)")
     cfg = pacs.parse_args(["--eval-every", "0", "--save-every", "0", "--save-minutes", "0", *rest])
     try:
         pacs.check_config(cfg)
+        device = pacs.pick_device(cfg)  # as pacs.py picks it: refusals, the allocator's expandable segments
     except pacs.ConfigError as e:
         sys.exit(f"gpu_step.py: error: {e}")
-    device = pacs.resolve_device(cfg.device)
     if device.type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         # On the CPU the peak is read from the resident set size. glibc keeps freed blocks below its (dynamic,
         # up to 32 MB) mmap threshold in the heap, so the RSS would count allocator fragmentation that CUDA's
         # max_memory_allocated never sees. Restart with every block over 64 KiB mapped and unmapped on its own.
         os.execve(sys.executable, [sys.executable, *sys.argv],
                   {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"})
+    cap = None
+    if device.type == "cuda" and cfg.memory_gib > 0 and not args.no_cap:
+        cap = cap_allocator(cfg.memory_gib)
     torch.manual_seed(cfg.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, __file__, "--_build", tmp, "--model-dir", args.model_dir,
-                        *(["--tiny"] if args.tiny else [])], check=True)
+        if not args.standin:
+            subprocess.run([sys.executable, __file__, "--_build", tmp, "--model-dir", args.model_dir,
+                            *(["--tiny"] if args.tiny else [])], check=True)
         try:
-            model, rollout_model, tokenizer = pacs.setup_model(cfg, tmp, device)
+            model, rollout_model, tokenizer, sizes = pacs.setup_model(cfg, args.standin or tmp, device)
         except pacs.ConfigError as e:
             sys.exit(f"gpu_step.py: error: {e}")
+    planned = dataclasses.asdict(sizes)
     n_params = sum(p.numel() for p in model.parameters())
     # CPU: what the process holds besides the weights once loaded (interpreter, torch, transformers, the
     # tokenizer); the plan predicts the tensors on top of it. safetensors maps the weights lazily: read every
@@ -167,71 +243,112 @@ def main():
     with torch.no_grad():
         sum(float(p.sum()) for p in model.parameters())
     copy_bytes = 0 if rollout_model is model else sum(p.nbytes for p in rollout_model.parameters())  # the plan's too
-    rss_base = rss_bytes() - 4 * n_params - copy_bytes
-    plan = pacs.memory_plan(cfg, model.config, n_params, device.type, cfg.micro_batch_size, cfg.gen_batch_prompts)
-    problems = fixed_length_prompts(tokenizer, cfg.prompts_per_step * (1 + args.timed_steps), cfg.max_prompt_tokens,
-                                    args.data_dir)
+    rss_base = rss_bytes() - 4 * n_params - copy_bytes if device.type == "cpu" else 0
+    plan = pacs.memory_plan(cfg, model.config, n_params, device.type, sizes.micro_batch_size, sizes.gen_batch_prompts)
+    n_steps = args.warmup_steps + args.timed_steps
+    if args.varied_prompts:
+        problems = varied_length_prompts(tokenizer, cfg.prompts_per_step * n_steps, args.varied_prompts,
+                                         cfg.max_prompt_tokens, args.data_dir, cfg.seed)
+    else:
+        problems = fixed_length_prompts(tokenizer, cfg.prompts_per_step * n_steps, cfg.max_prompt_tokens,
+                                        args.data_dir)
     optimizer = pacs.make_optimizer(cfg, model)
-    sample = pacs.sample  # force every response to full length: the default run's worst case
-    pacs.sample = lambda *a, **k: sample(*a, **k, min_new_tokens=cfg.max_new_tokens)
+    sample, phase = pacs.sample, {}
+    pacs.sample = sample_full_length(sample, device, cfg.max_new_tokens, phase)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    result = {"device": name, "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+              "params": n_params, "prompts": cfg.prompts_per_step, "group_size": cfg.group_size,
+              "prompt_tokens": cfg.max_prompt_tokens, "varied_prompts": args.varied_prompts or None,
+              "response_tokens": cfg.max_new_tokens, "num_mini_batches": cfg.num_mini_batches, "lr": cfg.lr,
+              "gradient_checkpointing": cfg.gradient_checkpointing, "memory_gib": cfg.memory_gib or None,
+              "allocator_cap_fraction": cap[0] if cap else None,
+              "allocator_cap_gib": cap[1] / pacs.GiB if cap else None, "planned_sizes": planned,
+              "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     rows = []
-    for step in range(1 + args.timed_steps):
+    for step in range(n_steps):
         reset_peak(device)
-        metrics, _ = pacs.train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model)
+        try:
+            metrics, _ = pacs.train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model,
+                                         sizes=sizes)
+        except pacs.ConfigError as e:  # a non-finite log-prob, or out of memory at the smallest sizes
+            fail(f"step {step}: {e}", args.json, {**result, "steps": rows})
         if rollout_model is not model:
             pacs.copy_weights(rollout_model, model)
-        metrics["peak_bytes"] = peak_bytes(device)
+        metrics["update_peak_bytes"] = peak_bytes(device)  # old log-probs and the updates, since generate's reset
+        metrics.update(phase)
+        metrics["peak_bytes"] = max(metrics["generate_peak_bytes"], metrics["update_peak_bytes"])
         if device.type == "cuda":
+            metrics["update_reserved_bytes"] = torch.cuda.max_memory_reserved()
             metrics.update(cuda_memory())
+            metrics.update(allocator_state())
         rows.append(metrics)
         cuda = f" | {cuda_memory_text(metrics)}" if device.type == "cuda" else ""
-        print(f"step {step}{' (warm-up)' if step == 0 else ''}: {metrics['step_time']:.1f} s | generate "
+        warmup = " (warm-up)" if step < args.warmup_steps else ""
+        print(f"step {step}{warmup}: {metrics['step_time']:.1f} s | generate "
               f"{metrics['time_generate']:.1f} | old log-probs {metrics['time_old_logprobs']:.1f} | update "
-              f"{metrics['time_update']:.1f} | response len {metrics['response_len']:.0f} | peak "
-              f"{metrics['peak_bytes'] / pacs.GiB:.2f} GiB{cuda}", flush=True)
+              f"{metrics['time_update']:.1f} | response len {metrics['response_len']:.0f} | peaks: generate "
+              f"{metrics['generate_peak_bytes'] / pacs.GiB:.2f}, update {metrics['update_peak_bytes'] / pacs.GiB:.2f} "
+              f"GiB | psi_std {metrics['psi_std']}{cuda}", flush=True)
     pacs.sample = sample
-    timed = rows[1:] or rows
+    timed = rows[args.warmup_steps:] or rows
     mean = lambda k: sum(r[k] for r in timed) / len(timed)
     B, T = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     peak_tflops = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
     flops = update_flops(model.config, n_params, cfg.max_prompt_tokens, T, B, cfg.prompts_per_step)
-    measured = max(r["peak_bytes"] for r in rows)
-    predicted = plan["peak"] + (rss_base if device.type == "cpu" else 0)  # CPU: RSS also holds the libraries
-    result = {
-        "device": name, "params": n_params, "prompts": cfg.prompts_per_step, "group_size": cfg.group_size,
-        "prompt_tokens": cfg.max_prompt_tokens, "response_tokens": T, "micro_batch_size": cfg.micro_batch_size,
-        "gen_batch_prompts": cfg.gen_batch_prompts, "num_mini_batches": cfg.num_mini_batches,
+    gib = lambda b: b / pacs.GiB
+    measured = {ph: max(r[f"{ph}_peak_bytes"] for r in rows) for ph in ("generate", "update")}
+    predicted = {ph: plan[f"peak: {ph}"] + rss_base for ph in ("generate", "update")}  # CPU: RSS holds the libraries
+    psi = [r["psi_std"] for r in rows if r["psi_std"] is not None]
+    result.update({
+        "micro_batch_size": sizes.micro_batch_size, "gen_batch_prompts": sizes.gen_batch_prompts,
         "step_s": mean("step_time"), "generate_s": mean("time_generate"), "verify_s": mean("time_verify"),
         "old_logprobs_s": mean("time_old_logprobs"), "update_s": mean("time_update"),
         "generated_tokens_per_s": B * T / mean("time_generate"),
-        "peak_gib": measured / pacs.GiB, "plan_gib": predicted / pacs.GiB, "peak_over_plan": measured / predicted,
-        "rss_base_gib": rss_base / pacs.GiB if device.type == "cpu" else None,
-        **({k: max(r[k] for r in rows) for k in ("reserved_peak_bytes", "device_used_bytes", "device_total_bytes")}
-           if device.type == "cuda" else {}),
+        "generate_peak_gib": gib(measured["generate"]), "update_peak_gib": gib(measured["update"]),
+        "plan_generate_gib": gib(predicted["generate"]), "plan_update_gib": gib(predicted["update"]),
+        "generate_over_plan": measured["generate"] / predicted["generate"],
+        "update_over_plan": measured["update"] / predicted["update"],
+        "peak_gib": gib(max(measured.values())), "plan_gib": gib(plan["peak"] + rss_base),
+        "peak_over_plan": max(measured.values()) / (plan["peak"] + rss_base),
+        "rss_base_gib": gib(rss_base) if device.type == "cpu" else None,
+        "psi_std_max": max(psi) if psi else None, "psi_mean_abs_max": max(
+            (abs(r["psi_mean"]) for r in rows if r["psi_mean"] is not None), default=None),
+        **({k: max(r[k] for r in rows) for k in ("generate_reserved_bytes", "update_reserved_bytes",
+                                                 "reserved_peak_bytes", "device_used_bytes", "device_total_bytes",
+                                                 "alloc_retries", "ooms")} if device.type == "cuda" else {}),
+        "expandable_segments": rows[-1].get("expandable_segments"),
         "update_tflops": flops / mean("time_update") / 1e12,
         "update_mfu": flops / mean("time_update") / (peak_tflops * 1e12) if peak_tflops else None,
         "projected_run_h": mean("step_time") * args.total_steps / 3600,
-    }
+    })
     mfu = f"{100 * result['update_mfu']:.1f}% of {peak_tflops:.0f}" if result["update_mfu"] else "n/a (no peak known)"
-    print(f"\n{name}: {cfg.prompts_per_step} prompts x {cfg.group_size} = {B} samples of {cfg.max_prompt_tokens} + {T} "
-          f"tokens, {cfg.num_mini_batches} mini-batches, micro-batch {cfg.micro_batch_size} rows, "
-          f"generate {cfg.gen_batch_prompts} prompts per call")
+    print(f"\n{name}: {cfg.prompts_per_step} prompts x {cfg.group_size} = {B} samples of {cfg.max_prompt_tokens} "
+          f"+ {T} tokens, {cfg.num_mini_batches} mini-batches, micro-batch {sizes.micro_batch_size} rows, "
+          f"generate {sizes.gen_batch_prompts} prompts per call (planned: {planned})")
     print(f"step {result['step_s']:.1f} s = generate {result['generate_s']:.1f} + verify {result['verify_s']:.1f} + "
           f"old log-probs {result['old_logprobs_s']:.1f} + update {result['update_s']:.1f}")
     print(f"generated tokens/s {result['generated_tokens_per_s']:.0f} | update {result['update_tflops']:.1f} "
           f"TFLOP/s, MFU {mfu}")
-    print(f"peak memory {result['peak_gib']:.2f} GiB ({'max_memory_allocated' if device.type == 'cuda' else 'peak RSS'})"
-          f" vs plan {result['plan_gib']:.2f} GiB"
-          f"{f' (incl. {rss_base / pacs.GiB:.2f} of libraries)' if device.type == 'cpu' else ''}: "
-          f"measured / plan = {result['peak_over_plan']:.3f}")
+    what = "max_memory_allocated" if device.type == "cuda" else "peak RSS"
+    libs = f" (incl. {gib(rss_base):.2f} of libraries)" if device.type == "cpu" else ""
+    for ph in ("generate", "update"):
+        print(f"peak memory, {ph}: {result[f'{ph}_peak_gib']:.2f} GiB ({what}) vs plan {result[f'plan_{ph}_gib']:.2f} "
+              f"GiB{libs}: measured / plan = {result[f'{ph}_over_plan']:.3f}")
+    print(f"peak memory {result['peak_gib']:.2f} GiB vs plan {result['plan_gib']:.2f} GiB: measured / plan = "
+          f"{result['peak_over_plan']:.3f}")
     if device.type == "cuda":  # reserved far above allocated: fragmentation (the README's GPU checklist)
         budget = pacs.plan_budget("cuda", pacs.device_memory("cuda", cfg.memory_gib))
-        print(f"{cuda_memory_text(result)}; the plan's budget {budget / pacs.GiB:.2f} GiB")
+        print(f"{cuda_memory_text(result)}; the plan's budget {budget / pacs.GiB:.2f} GiB; allocator retries "
+              f"{result['alloc_retries']}, OOMs {result['ooms']}, expandable segments {result['expandable_segments']}"
+              + (f"; allocator capped at {result['allocator_cap_gib']:.2f} GiB" if cap else ""))
+    print(f"psi_std: {psi} (max {result['psi_std_max']})")
     print(f"projected {args.total_steps} steps: {result['projected_run_h']:.1f} h (no in-loop eval, no checkpoints)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**result, "steps": rows}, f, indent=2)
+    if args.expect_psi_zero and any(v != 0 for v in psi):
+        fail(f"psi_std {max(psi)} != 0 at --lr {cfg.lr}: the training forward and the old log-probs disagree", "",
+             result)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab experiments/labs/lab/base --micro-batch-size 64   # the shipped base
     OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab experiments/labs/lab/base --profile   # cProfile of one step
+    python benchmarks/lab_step.py --lab experiments/labs/lab/base --device cuda --json lab.json   # the same step on a GPU
 
 Runs pacs.train_step (the trainer's own step: sample, verify, pi_old log-probs, M AdamW updates) at 32 prompts
 x G = 8, M = 4 by default, after --warmup untimed steps, and prints the mean and min over --steps timed steps of
@@ -10,6 +11,8 @@ each phase (generate, verify, old log-probs, updates) and of the whole step, wit
 """
 import argparse
 import cProfile
+import dataclasses
+import json
 import os
 import pstats
 import sys
@@ -37,6 +40,8 @@ def main(argv=None):
     p.add_argument("--micro-batch-size", type=int, default=0, help="0: the memory plan's")
     p.add_argument("--attn", default="", choices=["", "eager", "sdpa"], help="attention kernel ('' = as loaded)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--json", default="", help="also write the means per phase here")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="cProfile one step, print the top 25 by cumulative time")
@@ -48,11 +53,14 @@ def main(argv=None):
     cfg = pacs.Config(model=os.path.join(args.lab, "model"), dataset=os.path.join(args.lab, "train.jsonl"),
                       algo=args.algo, prompts_per_step=args.prompts, group_size=args.group_size,
                       num_mini_batches=args.num_mini_batches, max_new_tokens=args.max_new_tokens, lr=1e-5,
-                      micro_batch_size=args.micro_batch_size, device="cpu", eval_every=0)
-    pacs.check_config(cfg)
+                      micro_batch_size=args.micro_batch_size, device=args.device, eval_every=0)
+    try:
+        pacs.check_config(cfg)
+        device = pacs.pick_device(cfg)
+    except pacs.ConfigError as e:
+        sys.exit(f"lab_step.py: error: {e}")
     torch.manual_seed(0)
-    device = torch.device("cpu")
-    model, rollout_model, tokenizer = pacs.setup_model(cfg, cfg.model, device)
+    model, rollout_model, tokenizer, sizes = pacs.setup_model(cfg, cfg.model, device)
     if args.attn:
         model.set_attn_implementation(args.attn)
     problems = pacs.load_problems(cfg.dataset)
@@ -64,7 +72,7 @@ def main(argv=None):
             critic.set_attn_implementation(args.attn)
         critic_opt = pacs.make_optimizer(cfg, critic, lr=cfg.critic_lr)
     step = lambda s: pacs.train_step(cfg, model, tokenizer, optimizer, problems, s, device, rollout_model,
-                                     critic, critic_opt)[0]
+                                     critic, critic_opt, sizes=sizes)[0]
     for s in range(args.warmup):
         step(s)
     if args.profile:
@@ -78,12 +86,18 @@ def main(argv=None):
     rows = [step(args.warmup + s) for s in range(args.steps)]
     print(f"lab step: {args.algo}, {args.prompts} prompts x G = {args.group_size}, M = {args.num_mini_batches}, "
           f"{args.threads} thread(s), attention {model.config._attn_implementation}, micro-batch "
-          f"{cfg.micro_batch_size} rows; {args.steps} timed steps after {args.warmup} warm-up")
+          f"{sizes.micro_batch_size} rows; {args.steps} timed steps after {args.warmup} warm-up")
     print(f"response length {np.mean([r['response_len'] for r in rows]):.1f} tokens, "
           f"reward {np.mean([r['reward'] for r in rows]):.3f}")
     for k in PHASES:
         v = [r[k] for r in rows]
         print(f"  {k:18s} mean {np.mean(v):.3f} s  min {np.min(v):.3f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "threads": args.threads, "steps": args.steps,
+                       **dataclasses.asdict(sizes),
+                       "response_len": float(np.mean([r["response_len"] for r in rows])),
+                       **{k: float(np.mean([r[k] for r in rows])) for k in PHASES}}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -68,9 +68,9 @@ def trainer_logprobs(model, roll, args, autocast="bf16"):
     With autocast="off" and a bf16 model: that model's log-probs, scored the trainer's way (teacher-forced)."""
     recorded, real = [], pacs._token_logprobs
 
-    def recording(lm_head, hidden, targets, temperature):
+    def recording(lm_head, hidden, *rest):
         recorded.append(torch.log_softmax(lm_head(hidden).float(), -1))  # (chunk, V)
-        return real(lm_head, hidden, targets, temperature)
+        return real(lm_head, hidden, *rest)
 
     cfg = pacs.Config(autocast=autocast)
     pacs._token_logprobs = recording

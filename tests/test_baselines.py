@@ -492,8 +492,9 @@ def test_the_applied_update_is_the_clipped_gradient_when_its_norm_is_above_max_g
     direction = [torch.randn_like(p) for p in layer.parameters()]
     scale = norm / torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in direction]))
     before = [p.detach().clone() for p in layer.parameters()]
+    backward = lambda: sum((p * d * scale).sum() for p, d in zip(layer.parameters(), direction)).backward()
     _, grad_norm, applied = pacs.optimizer_step(cfg, layer, torch.optim.SGD(layer.parameters(), lr=1.0), "test",
-                                                lambda: sum((p * d * scale).sum() for p, d in zip(layer.parameters(), direction)).backward())
+                                                backward, pacs.Sizes.typed(cfg))
     assert applied and grad_norm == pytest.approx(norm, rel=1e-5)  # the norm before clipping is what is logged
     for b, p, d in zip(before, layer.parameters(), direction):
         torch.testing.assert_close(b - p.detach(), d * scale * applied_norm / norm, rtol=1e-5, atol=1e-6)

@@ -133,7 +133,8 @@ def test_out_of_memory_in_generate_halves_the_batch_and_keeps_every_prompt(digit
 def test_a_halved_generate_batch_carries_to_the_following_steps_logged_once(digit_model, tmp_path, monkeypatch,
                                                                              capsys):
     """An OOM in generate late in a step would recur every step if the smaller batch lasted one call: the size
-    it fell to is kept (cfg.gen_batch_prompts, also the in-loop eval's), so later steps never try the larger one."""
+    it fell to is kept (the run's Sizes.gen_batch_prompts, also the in-loop eval's), so later steps never try the
+    larger one."""
     calls = generate_fitting(monkeypatch, 2)
     rows = run(digit_model, tmp_path, "--steps", "3", "--gen-batch-prompts", "4")
     assert calls == [4, 2, 2] + [2, 2] * 2  # step 0 fails once at 4 prompts; steps 1 and 2 start at 2
@@ -183,9 +184,10 @@ def test_the_plan_fits_the_default_run_on_a_24_gb_card_and_picks_more_on_bigger_
     chosen = {}
     for gib in (22.5, 80):  # what a "24 GB" card (A10G, L4) reports, and an 80 GB one
         cfg = pacs.Config(memory_gib=gib)  # the defaults: 128 x 8, M=4, 512 + 1024 tokens
-        parts = pacs.plan_memory(cfg, config, n, "cuda")
+        sizes, parts = pacs.plan_memory(cfg, config, n, "cuda")
         assert parts["peak"] <= 0.9 * (gib - 0.5) * pacs.GiB  # 0.5 GiB of CUDA context, then 10% headroom
-        chosen[gib] = (cfg.micro_batch_size, cfg.gen_batch_prompts)
+        chosen[gib] = (sizes.micro_batch_size, sizes.gen_batch_prompts)
+        assert (cfg.micro_batch_size, cfg.gen_batch_prompts) == (0, 0)  # cfg stays what was typed
     assert chosen[22.5] == (2, 64) and chosen[80] == (8, 128)
     # the fp32 training state alone: 16 bytes per parameter
     assert parts["weights (fp32)"] + parts["AdamW moments (fp32)"] + parts["gradients (fp32)"] == 16 * n
@@ -298,8 +300,8 @@ def test_ppo_counts_the_value_model_and_names_the_flag_that_makes_it_fit(capsys)
         pacs.main(argv)
     assert "critic    weights 1.84 | AdamW 3.68 held" in capsys.readouterr().err
     cfg = pacs.parse_args(argv + ["--gradient-checkpointing"])
-    pacs.plan_memory(cfg, config, n, "cuda")  # fits, at the size the refusal named
-    assert cfg.micro_batch_size == 4
+    sizes, _ = pacs.plan_memory(cfg, config, n, "cuda")  # fits, at the size the refusal named
+    assert sizes.micro_batch_size == 4
 
 
 @needs_qwen

@@ -230,23 +230,27 @@ def assert_one_line_error(proc, *needles):
     (["--dataset", "missing.jsonl"], ["not found", "missing.jsonl"]),
 ])
 def test_bad_flags_give_one_line_errors(tiny_model_dir, args, needles):
-    assert_one_line_error(cli("--model", tiny_model_dir, "--dataset", "synthetic", "--steps", "1", *args), *needles)
+    assert_one_line_error(cli("--model", tiny_model_dir, "--dataset", "synthetic", "--steps", "1", "--device", "cpu",
+                              *args), *needles)
 
 
 def test_bad_model_path_gives_one_line_error(tmp_path):
-    assert_one_line_error(cli("--model", str(tmp_path / "no_model"), "--dataset", "synthetic"), "model path not found")
+    assert_one_line_error(cli("--model", str(tmp_path / "no_model"), "--dataset", "synthetic", "--device", "cpu"),
+                          "model path not found")
 
 
 def test_missing_column_and_empty_dataset(tiny_model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "1+1?", "solution": "2"}) + "\n")
-    assert_one_line_error(cli("--model", tiny_model_dir, "--dataset", str(bad)), "no column 'problem'", "question, solution")
+    assert_one_line_error(cli("--model", tiny_model_dir, "--dataset", str(bad), "--device", "cpu"),
+                          "no column 'problem'", "question, solution")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    assert_one_line_error(cli("--model", tiny_model_dir, "--dataset", str(empty)), "empty")
+    assert_one_line_error(cli("--model", tiny_model_dir, "--dataset", str(empty), "--device", "cpu"), "empty")
     blank = tmp_path / "blank.jsonl"
     blank.write_text(json.dumps({"problem": "1+1?", "answer": " "}) + "\n")
-    assert_one_line_error(cli("--model", tiny_model_dir, "--dataset", str(blank)), "no row with a non-empty answer")
+    assert_one_line_error(cli("--model", tiny_model_dir, "--dataset", str(blank), "--device", "cpu"),
+                          "no row with a non-empty answer")
 
 
 def test_help_documents_every_flag():

@@ -1,0 +1,364 @@
+"""The prepared GPU check's Python side (benchmarks/gpu_check.sh runs it; docs/gpu.md says how).
+
+    python benchmarks/gpu_check.py prepare --wheels    # here, once: .gpu/ = model files, MATH text, the wheels
+    python benchmarks/gpu_check.py probe OUT/probe.json          # versions, the card, SDPA's kernels, the allocator
+    python benchmarks/gpu_check.py build STANDIN --model-dir .gpu/model [--tiny]   # random-init Qwen2.5-0.5B
+    python benchmarks/gpu_check.py lab OUT/lab.json --device cuda  # the lab's step there and on one CPU core
+    python benchmarks/gpu_check.py summary OUT                   # the table of every JSON in OUT
+
+`prepare` fills the git-ignored folder .gpu/, to be sent along with the repository to the GPU machine (named, since
+git ignores it): Qwen2.5-0.5B-Instruct's config, tokenizer and generation config from ../shared/models (no weights:
+the check builds a random-init stand-in of the exact shape), 1,500 MATH problems from ../shared/data (prompt text),
+and with --wheels the transformers wheel pacs.py needs (>= 5.24; the GPU machine has 5.17), downloaded for the
+machine's Python 3.12.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(ROOT, "..", "shared")
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+# What the GPU machine lacks, as wheels for its Python (3.12, x86-64): transformers 5.24 (the machine has 5.17;
+# pacs.py passes `cache=`). Its other needs are there at versions it accepts (huggingface-hub 1.33, tokenizers
+# 0.23.2, safetensors 0.8.0, and regex, typer, tqdm, numpy, pyyaml, packaging).
+WHEELS = ("transformers==5.24.0",)
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+CARRY_LIMIT = 64 * 2 ** 20  # what travels to the GPU machine: the working tree and the folders named, together
+
+
+def die(message):
+    sys.exit(f"gpu_check.py: error: {message}")
+
+
+def folder_bytes(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def prepare(dest, model_dir, data_dir, wheels, problems=1500):
+    """dest/model (config, tokenizer, generation config), dest/data/math_train.jsonl (the first `problems` MATH
+    problems: prompt text), and with wheels dest/wheels/*.whl; prints what would travel."""
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        die(f"no config.json in {model_dir} (the Qwen2.5-0.5B-Instruct files: ../shared/models/README.md)")
+    os.makedirs(os.path.join(dest, "model"), exist_ok=True)
+    for name in MODEL_FILES:
+        shutil.copyfile(os.path.join(model_dir, name), os.path.join(dest, "model", name))
+    os.makedirs(os.path.join(dest, "data"), exist_ok=True)
+    source = os.path.join(data_dir, "math_train.jsonl")
+    with open(os.path.join(dest, "data", "math_train.jsonl"), "w") as out:
+        if os.path.isfile(source):  # else gpu_step.py falls back to synthetic text
+            with open(source) as f:
+                for _, line in zip(range(problems), f):
+                    row = json.loads(line)
+                    out.write(json.dumps({k: row[k] for k in ("id", "problem", "answer")}) + "\n")
+    if wheels:
+        folder = os.path.join(dest, "wheels")
+        shutil.rmtree(folder, ignore_errors=True)  # one version of each: two stop the install there
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+               "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", folder, *WHEELS]
+        if subprocess.run(cmd).returncode:
+            die("pip download failed (the registry must be reachable from here; the GPU machine has none)")
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True).stdout
+    tree = sum(os.path.getsize(os.path.join(ROOT, f)) for f in tracked.split("\0") if f and os.path.isfile(
+        os.path.join(ROOT, f)))
+    carried = folder_bytes(dest)
+    print(f"{dest}: {carried / 2 ** 20:.1f} MiB ({', '.join(sorted(os.listdir(dest)))}); with the tracked tree "
+          f"({tree / 2 ** 20:.1f} MiB): {(tree + carried) / 2 ** 20:.1f} of the {CARRY_LIMIT // 2 ** 20} MiB that "
+          "travel to the GPU machine (untracked files count too)")
+    if tree + carried > CARRY_LIMIT:
+        die("over the limit: send less")
+
+
+def build(out, model_dir, tiny):
+    """The random-init stand-in (save_pretrained dir), built once for every step of the check."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_step
+    t0 = time.time()
+    gpu_step.build_standin(model_dir, out, tiny)
+    print(f"stand-in built in {out} in {time.time() - t0:.1f} s ({folder_bytes(out) / 2 ** 30:.2f} GiB)")
+
+
+# What pacs.py and this check call on the GPU road that the CPU road never reaches, by dotted name: checked for
+# presence in the installed torch and transformers, so that a release that lacks one fails in the probe (and in
+# the rehearsal on a CPU, under the GPU machine's versions) before the steps run.
+APIS = ("torch.cuda.mem_get_info", "torch.cuda.memory_reserved", "torch.cuda.set_per_process_memory_fraction",
+        "torch.cuda.max_memory_allocated", "torch.cuda.max_memory_reserved", "torch.cuda.reset_peak_memory_stats",
+        "torch.cuda.memory_stats", "torch.cuda.memory_snapshot", "torch._C._accelerator_setAllocatorSettings",
+        "torch.cuda.get_rng_state_all", "torch.cuda.init", "torch.backends.cuda.enable_math_sdp",
+        "torch.backends.cuda.enable_cudnn_sdp", "torch.nn.attention.sdpa_kernel",
+        "torch.nn.attention.SDPBackend.FLASH_ATTENTION", "torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION",
+        "torch.OutOfMemoryError", "torch.nn.utils.clip_grads_with_norm_",
+        "transformers.modeling_outputs.BaseModelOutputWithPast.cache",
+        "transformers.DynamicCache.batch_repeat_interleave",
+        "transformers.PreTrainedModel.activation_checkpointing_enable",
+        "transformers.PreTrainedModel.set_attn_implementation")
+
+
+def missing_apis():
+    """The names of APIS the installed releases lack."""
+    import importlib
+    missing = []
+    for name in APIS:
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):  # the longest importable prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+                break
+            except ImportError:
+                continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            missing.append(name)
+    return missing
+
+
+def sdpa_probe(device):
+    """Each SDPA kernel on a batch with left padding, where the padding's query rows attend to no key (as in generate's
+    prefill and the trainer's prompts): whether it runs, whether those rows and the others come out finite, and which
+    kernel SDPA picks by itself, without and with requires_grad (torch._fused_sdp_choice, where it exists)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(2, 14, 16, 64, generator=g).to(device, dtype) for _ in range(3))
+    mask = torch.ones(16, 16, dtype=torch.bool, device=device).tril().expand(2, 1, 16, 16).clone()
+    mask[0, :, :, :5] = False  # row 0: 5 tokens of left padding; its queries 0..4 see no key at all
+    out = {}
+    for name in ("MATH", "EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION"):
+        backend = getattr(SDPBackend, name, None)
+        if backend is None:
+            continue
+        try:
+            with sdpa_kernel([backend]):
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out[name] = {"runs": True, "padding_rows_finite": bool(torch.isfinite(o[0, :, :5]).all()),
+                         "padding_rows_zero": bool((o[0, :, :5] == 0).all()),
+                         "other_rows_finite": bool(torch.isfinite(o[:, :, 5:]).all())}
+        except RuntimeError as e:
+            out[name] = {"runs": False, "why": (str(e).strip().splitlines() or ["?"])[0][:200]}
+    choice = getattr(torch, "_fused_sdp_choice", None)
+    if choice is not None:
+        names = {int(b): name for name, b in SDPBackend.__members__.items()}
+        for grad in (False, True):
+            qq, kk, vv = (t.detach().requires_grad_(grad) for t in (q, k, v))
+            try:
+                out[f"picked{'_with_grad' if grad else ''}"] = names.get(int(choice(qq, kk, vv, mask)), "?")
+            except Exception as e:  # noqa: BLE001 (a private call: its answer is information only)
+                out[f"picked{'_with_grad' if grad else ''}"] = f"? ({type(e).__name__})"
+    return out
+
+
+def probe(path, device_name):
+    """Versions, the card, SDPA's kernels on padded rows, and the allocator settings pacs.py makes."""
+    sys.path.insert(0, ROOT)
+    import torch
+    import transformers
+    import pacs
+    cfg = pacs.Config(device=device_name, prompts_per_step=1, group_size=2, max_new_tokens=1)
+    result = {"python": sys.version.split()[0], "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+              "transformers": transformers.__version__, "transformers_file": transformers.__file__,
+              "missing_apis": missing_apis()}
+    try:
+        device = pacs.pick_device(cfg)  # on CUDA: sets the allocator's expandable segments, as pacs.py does
+    except pacs.ConfigError as e:
+        result["error"] = str(e)
+        device = None
+    if device is not None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        result.update({"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+                       "total_gib": total / pacs.GiB, "free_gib": free / pacs.GiB,
+                       "plan_memory_gib": pacs.device_memory("cuda") / pacs.GiB,
+                       "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")})
+        x = torch.empty(2 ** 20, device=device)  # one allocation, then the allocator's own word on its segments
+        result["expandable_segments"] = any(s.get("is_expandable", False) for s in torch.cuda.memory_snapshot())
+        del x
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            q = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total,memory.used",
+                                "--format=csv,noheader"], capture_output=True, text=True)
+            result["nvidia_smi"] = q.stdout.strip()
+    elif device is not None:
+        result["device"] = "cpu"
+    if device is not None:
+        result["sdpa"] = sdpa_probe(device)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    if "error" in result:
+        die(result["error"])
+    if result["missing_apis"]:
+        die(f"the installed releases lack {', '.join(result['missing_apis'])}")
+
+
+def lab(path, device_name, extra):
+    """benchmarks/lab_step.py on device_name and on one CPU core (two processes, the same flags): the lab's step
+    time per phase on each, into one JSON."""
+    result = {}
+    for arm, args in (("device", ["--device", device_name]), ("cpu_1_core", ["--device", "cpu", "--threads", "1"])):
+        tmp = f"{path}.{arm}.tmp"
+        env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if arm == "cpu_1_core" else {})}
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "lab_step.py"), "--lab",
+                               os.path.join(ROOT, "experiments", "labs", "lab", "base"), *args, *extra, "--json", tmp], env=env)
+        if proc.returncode or not os.path.isfile(tmp):
+            result[arm] = {"error": f"lab_step.py exited {proc.returncode}"}
+            continue
+        with open(tmp) as f:
+            result[arm] = json.load(f)
+        os.remove(tmp)
+    if all("step_time" in result.get(a, {}) for a in ("device", "cpu_1_core")):
+        result["speedup"] = result["cpu_1_core"]["step_time"] / result["device"]["step_time"]
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+# ---- the summary table --------------------------------------------------------------------------------------
+def _num(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def step_status(out):
+    """{step: its line in check.log} ('exit 1 after 12 s', 'skipped, 15 s left of 470', ...), from gpu_check.sh."""
+    path, status = os.path.join(out, "check.log"), {}
+    if os.path.isfile(path):
+        with open(path, errors="replace") as f:
+            for line in f:
+                m = re.match(r"== (\w+): (exit .*|skipped.*)", line)
+                if m:
+                    status[m.group(1)] = m.group(2).strip()
+    return status
+
+
+def summary_rows(out):
+    """(what, result) rows of the table, from the JSON files the steps wrote into out; a step without its JSON gives
+    its line of check.log (its exit status, or that it was skipped), or 'did not run'."""
+    status = step_status(out)
+    missing = {}
+
+    def load(name):
+        path = os.path.join(out, f"{name}.json")
+        if not os.path.isfile(path):
+            missing[name] = f"no result: {status.get(name, 'did not run')} (check.log)"
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    rows = []
+    p = load("probe")
+    if p is None:
+        rows.append(("probe", missing["probe"]))
+    else:
+        rows.append(("device", f"{p.get('device', '?')}; torch {p.get('torch')}, "
+                               f"transformers {p.get('transformers')}"))
+        if "error" in p:
+            rows.append(("probe", f"error: {p['error']}"))
+        rows.append(("APIs of the GPU road", "all present" if not p.get("missing_apis") else
+                     f"MISSING: {', '.join(p['missing_apis'])}"))
+        sdpa = p.get("sdpa", {})
+        kernels = [f"{k}: {'NaN' if not v.get('padding_rows_finite', True) else 'ok'}" if v.get("runs") else f"{k}: -"
+                   for k, v in sdpa.items() if isinstance(v, dict)]
+        rows.append(("SDPA on padding rows", "; ".join(kernels) + f" | picked {sdpa.get('picked', '?')}, with grad "
+                     f"{sdpa.get('picked_with_grad', '?')}"))
+        if "expandable_segments" in p:
+            rows.append(("allocator", f"{p.get('alloc_conf')}; expandable segments in effect: "
+                                      f"{p['expandable_segments']}; plan reads {_num(p.get('plan_memory_gib'), '.1f')}"
+                                      f" of {_num(p.get('total_gib'), '.1f')} GiB"))
+    for name, what in (("psi_plain", "(a) psi_std at --lr 0, plain route"),
+                       ("psi_ckpt", "(a) psi_std at --lr 0, --gradient-checkpointing")):
+        r = load(name)
+        if r is None:
+            rows.append((what, missing[name]))
+        elif "error" in r:
+            rows.append((what, f"FAIL: {r['error']}"))
+        else:
+            ok = "pass" if r.get("psi_std_max") == 0 else "FAIL"
+            rows.append((what, f"{r.get('psi_std_max')} ({ok}; prompts {r.get('varied_prompts')}.."
+                               f"{r.get('prompt_tokens')} tokens, finite log-probs)"))
+    for name, what in (("step_default", "(b) default step"), ("step_22g", "(c) --memory-gib 22.5")):
+        r = load(name)
+        if r is None:
+            rows.append((what, missing[name]))
+            continue
+        if "error" in r:
+            rows.append((what, f"FAIL: {r['error']}"))
+            continue
+        rows.append((f"{what}: time", f"step {r['step_s']:.1f} s = generate {r['generate_s']:.1f} + old log-probs "
+                                      f"{r['old_logprobs_s']:.1f} + updates {r['update_s']:.1f}; "
+                                      f"{r['generated_tokens_per_s']:.0f} generated tokens/s; 300 steps "
+                                      f"{r['projected_run_h']:.1f} h"))
+        reserved = (f"; reserved {r['generate_reserved_bytes'] / 2 ** 30:.2f} / "
+                    f"{r['update_reserved_bytes'] / 2 ** 30:.2f} GiB" if "generate_reserved_bytes" in r else "")
+        rows.append((f"{what}: peaks", f"generate {r['generate_peak_gib']:.2f} GiB (plan "
+                                       f"{r['plan_generate_gib']:.2f}, x{r['generate_over_plan']:.3f}), update "
+                                       f"{r['update_peak_gib']:.2f} GiB (plan {r['plan_update_gib']:.2f}, "
+                                       f"x{r['update_over_plan']:.3f}){reserved}"))
+        rows.append((f"{what}: sizes", f"planned {r['planned_sizes']}, ended micro-batch {r['micro_batch_size']}, "
+                                       f"generate {r['gen_batch_prompts']} prompts/call; allocator retries "
+                                       f"{r.get('alloc_retries', '-')}, OOMs {r.get('ooms', '-')}, cap "
+                                       f"{_num(r.get('allocator_cap_gib'), '.2f')} GiB"))
+    r = load("lab")
+    if r is None:
+        rows.append(("(d) lab step", missing["lab"]))
+    else:
+        d, c = r.get("device", {}), r.get("cpu_1_core", {})
+        rows.append(("(d) lab step", f"device {_num(d.get('step_time'), '.2f')} s, one CPU core "
+                                     f"{_num(c.get('step_time'), '.2f')} s, x{_num(r.get('speedup'), '.1f')}"
+                     + "".join(f"; {arm}: {v['error']}" for arm, v in r.items()
+                               if isinstance(v, dict) and "error" in v)))
+    return rows
+
+
+def summary(out):
+    rows = summary_rows(out)
+    width = max(len(w) for w, _ in rows)
+    text = "\n".join([f"| {'check'.ljust(width)} | result |", f"|{'-' * (width + 2)}|---|"]
+                     + [f"| {w.ljust(width)} | {v} |" for w, v in rows])
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="fill .gpu/ (here, before the GPU machine is lent)")
+    p.add_argument("--dest", default=os.path.join(ROOT, ".gpu"))
+    p.add_argument("--model-dir", default=os.path.join(SHARED, "models", "qwen2.5-0.5b-instruct"))
+    p.add_argument("--data-dir", default=os.path.join(SHARED, "data"))
+    p.add_argument("--wheels", action="store_true", help="also download the wheels (needs the package registry)")
+    p = sub.add_parser("probe", help="versions, card, SDPA kernels, allocator: one JSON")
+    p.add_argument("json")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p = sub.add_parser("build", help="the random-init stand-in")
+    p.add_argument("out")
+    p.add_argument("--model-dir", default=os.path.join(ROOT, ".gpu", "model"))
+    p.add_argument("--tiny", action="store_true")
+    p = sub.add_parser("lab", help="the lab's step on the device and on one CPU core: one JSON")
+    p.add_argument("json")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p = sub.add_parser("summary", help="the table of the JSON files in a folder")
+    p.add_argument("out")
+    args, rest = ap.parse_known_args(argv)
+    if rest and args.cmd != "lab":
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "prepare":
+        prepare(args.dest, args.model_dir, args.data_dir, args.wheels)
+    elif args.cmd == "probe":
+        probe(args.json, args.device)
+    elif args.cmd == "build":
+        build(args.out, args.model_dir, args.tiny)
+    elif args.cmd == "lab":
+        lab(args.json, args.device, rest)
+    else:
+        summary(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,392 @@
+"""The CUDA road, checked on the CPU where a check can bite: a NaN on rows of left padding is caught, the attention
+kernels are pinned where log-probs are taken, the plan reads free memory, --device auto refuses a silent CPU
+fallback at GPU scale, the entropy comes from the log-probs' own logits, the allocator gets expandable segments,
+checkpoints come at a justified interval, a resume restores the batch sizes an out-of-memory retry halved (cfg
+staying what was typed), and the prepared GPU check rehearses on the CPU."""
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import pacs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN = os.path.join(ROOT, "..", "shared", "models", "qwen2.5-0.5b-instruct")
+needs_qwen = pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN, "config.json")),
+                                reason="needs ../shared/models/qwen2.5-0.5b-instruct (the project's shared folder)")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def nan_on_left_padding(model):
+    """Plant the failure a kernel causes: NaN out of the embedding on every row's left padding (the positions before
+    its first real token, read off the attention mask the decoder is called with), as a kernel that returns NaN on
+    rows that attend to nothing would leave them. Calls whose mask also covers earlier tokens (the responses after
+    a cached prompt, generate's decode steps) have no left padding of their own."""
+    called = {}
+    model.base_model.register_forward_pre_hook(
+        lambda module, args, kwargs: called.update(mask=kwargs.get("attention_mask")), with_kwargs=True)
+
+    def hook(module, inputs, output):
+        mask = called.get("mask")
+        if mask is None or mask.shape != inputs[0].shape:
+            return output
+        leading = mask.long().cumsum(1) == 0  # (b, L): before each row's first real token
+        return output.masked_fill(leading.unsqueeze(-1), float("nan"))
+    model.get_input_embeddings().register_forward_hook(hook)
+
+
+def padded_prompts(tok):
+    return [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 =")]  # lengths differ: left padding
+
+
+# ---- 4. a NaN on rows of left padding is caught --------------------------------------------------------------
+def test_a_nan_from_left_padding_in_generates_prefill_is_one_line_error(digit_model):
+    model, tok = pacs.load_model(digit_model)
+    nan_on_left_padding(model)
+    with pytest.raises(pacs.ConfigError, match=r"non-finite logits of generate's prefill: 1 of 2 rows, 1 of them "
+                                               r"with a left-padded prompt"):
+        pacs.sample(model, tok, padded_prompts(tok), group_size=2, max_new_tokens=3)
+
+
+def test_a_nan_from_left_padding_in_the_trainers_forward_stops_the_step(digit_model):
+    # the sampler is clean, the trained model's prompt forward gets NaN on its padding: the log-probs of the padded
+    # prompt's rows must not reach psi, the loss and the update as NaN. A micro-batch of one group has no padding
+    # (columns that are padding in every row are trimmed): two groups of unequal prompts share one here
+    model, tok = pacs.load_model(digit_model)
+    rollout, _ = pacs.load_model(digit_model)
+    nan_on_left_padding(model)
+    torch.manual_seed(0)
+    cfg = pacs.Config(group_size=4, prompts_per_step=2, num_mini_batches=1, micro_batch_size=8, max_new_tokens=3)
+    problems = [{"problem": "1 + 6 =", "answer": "7"}, {"problem": "12 + 3 =", "answer": "15"}]
+    optimizer = pacs.make_optimizer(cfg, model)
+    with pytest.raises(pacs.ConfigError, match=r"non-finite log-probs of rows 0\.\.7: 4 of 8 rows, 4 of them with a "
+                                               r"left-padded prompt"):
+        pacs.train_step(cfg, model, tok, optimizer, problems, 0, torch.device("cpu"), rollout)
+
+
+def test_check_finite_passes_finite_values_and_names_the_rows_it_refuses():
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    pacs.check_finite(torch.zeros(3, 4), "x", mask)
+    values = torch.zeros(3, 4)
+    values[0, 1], values[2, 3] = float("nan"), float("inf")
+    with pytest.raises(pacs.ConfigError, match=r"non-finite x: 2 of 3 rows, 1 of them with a left-padded prompt"):
+        pacs.check_finite(values, "x", mask)
+
+
+# ---- 5. the attention kernels are pinned where log-probs are taken ---------------------------------------------
+def test_the_pin_leaves_flash_and_memory_efficient_attention_on_cuda_and_nothing_else():
+    flags = lambda: {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in
+                     ("flash", "mem_efficient", "math", "cudnn")}
+    before = flags()
+    with pacs.pin_attention("cuda"):
+        assert flags() == {"flash": True, "mem_efficient": True, "math": False, "cudnn": False}
+    assert flags() == before
+    with pacs.pin_attention("cpu"):  # the CPU road is untouched
+        assert flags() == before
+
+
+def test_every_attention_call_of_the_log_prob_forwards_runs_under_the_pin(digit_model, digit_rollout, monkeypatch):
+    roll, rewards = digit_rollout
+    model, _ = pacs.load_model(digit_model)
+    depth, calls = {"n": 0}, []
+
+    @contextlib.contextmanager
+    def recording_pin(device_type):
+        depth["n"] += 1
+        try:
+            yield
+        finally:
+            depth["n"] -= 1
+
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(depth["n"] > 0) or real(*a, **k))
+    monkeypatch.setattr(pacs, "pin_attention", recording_pin)
+    cfg = pacs.Config(group_size=4, prompts_per_step=2, num_mini_batches=2, micro_batch_size=4, max_new_tokens=6,
+                      lr=0.0)
+    pacs.rollout_updates(cfg, model, pacs.make_optimizer(cfg, model), roll, rewards, torch.device("cpu"))
+    assert calls and all(calls), calls  # phase 3's no-grad forwards and phase 4's grad forwards alike
+
+
+# ---- 6. the plan reads the memory this process can have ------------------------------------------------------
+def test_the_plan_starts_from_free_memory_plus_what_this_process_holds(monkeypatch):
+    GiB = pacs.GiB
+    # a "24 GB" card (22.5 GiB) with a display holding 1.5 GiB: our weights hold 2 GiB, the context 0.5, 18.5 free
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(18.5 * GiB), int(22.5 * GiB)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 2 * GiB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: pytest.fail("the card's total was read"))
+    assert pacs.device_memory("cuda") == 21 * GiB  # 22.5 less the display's 1.5: 18.5 + 2 + 0.5 of context
+    assert pacs.plan_budget("cuda", pacs.device_memory("cuda")) == pytest.approx(0.9 * 20.5 * GiB)
+    assert pacs.device_memory("cuda", 22.5) == 22.5 * GiB  # --memory-gib still says what the card reports
+
+
+@needs_qwen
+def test_a_card_shared_with_a_display_gets_a_smaller_plan(monkeypatch):
+    config = pacs.load_model_config(QWEN)
+    n = pacs.count_parameters(config)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 4 * n)  # the loaded fp32 weights
+    chosen = {}
+    for display_gib in (0.0, 3.0):
+        free = 22.5 * pacs.GiB - pacs.CUDA_CONTEXT - 4 * n - display_gib * pacs.GiB
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(free), int(22.5 * pacs.GiB)))
+        sizes, _ = pacs.plan_memory(pacs.Config(), config, n, "cuda")
+        chosen[display_gib] = (sizes.micro_batch_size, sizes.gen_batch_prompts)
+    assert chosen[0.0] == (2, 64)  # the whole card: docs/gpu.md's 24 GB row
+    assert chosen[3.0] < chosen[0.0], chosen
+
+
+# ---- 7. --device auto does not fall back to the CPU silently at GPU scale ---------------------------------------
+def cli(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "pacs.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def test_device_auto_without_a_gpu_refuses_the_default_settings_in_one_line(tiny_model_dir):
+    if torch.cuda.is_available():
+        pytest.skip("a usable GPU is here")
+    proc = cli("--model", tiny_model_dir, "--dataset", "synthetic", "--steps", "1")  # the defaults: GPU scale
+    err = proc.stderr.strip()
+    assert proc.returncode != 0 and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith("pacs.py: error: --device auto found no usable GPU ("), err
+    assert "1,048,576 tokens per step" in err and "--device cpu" in err
+    cfg = pacs.Config(device="cuda")
+    with pytest.raises(pacs.ConfigError, match="--device cuda, but CUDA is unusable here: "):
+        pacs.pick_device(cfg)
+    small = pacs.Config(prompts_per_step=4, group_size=4, max_new_tokens=32)  # a CPU run's size: no refusal
+    assert pacs.pick_device(small).type == "cpu"
+    assert pacs.pick_device(pacs.Config(device="cpu")).type == "cpu"  # asked for: always
+    assert pacs.pick_device(pacs.Config(plan_only=True)).type == "cpu"  # the plan needs no device
+
+
+def test_the_refusal_names_the_cause_torch_gives(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # a CUDA build, but the driver is older than it
+
+    def old_driver():
+        raise RuntimeError("The NVIDIA driver on your system is too old (found version 12020).\nPlease update it.")
+
+    monkeypatch.setattr(torch.cuda, "init", old_driver)
+    with pytest.raises(pacs.ConfigError, match=r"no usable GPU \(The NVIDIA driver on your system is too old \(found "
+                                               r"version 12020\)\.\), and these settings generate 1,048,576 tokens"):
+        pacs.pick_device(pacs.Config())
+
+
+# ---- 8. one LM head pass gives the log-prob and the entropy ----------------------------------------------------
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_entropy_comes_from_the_log_probs_logits_and_equals_the_two_pass_value(digit_model, digit_rollout, grad):
+    roll, _ = digit_rollout
+    model, _ = pacs.load_model(digit_model)
+    head, seen = model.get_output_embeddings(), []
+    handle = head.register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
+    args = (roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"], roll["response_mask"], 0.9)
+    with torch.set_grad_enabled(grad):
+        lp, entropy = pacs.response_logprobs(model, *args, with_entropy=True, group_size=4, chunk=5)
+        lp_alone, none = pacs.response_logprobs(model, *args, group_size=4, chunk=5)
+    n_tokens = int(roll["response_mask"].sum())
+    assert none is None and sum(seen) == 2 * n_tokens  # each call: every real token through the head once
+    assert torch.equal(lp, lp_alone)
+    handle.remove()
+    # the two-pass value: a second LM head pass per chunk, the entropy's formula on its own logits
+    with torch.no_grad():
+        hidden, keep = pacs.response_hidden(model, *args[:4], group_size=4)
+        h = hidden[keep]
+        two_pass = []
+        for s in range(0, len(h), 5):
+            logits = head(h[s:s + 5]).float() / 0.9
+            two_pass.append(logits.logsumexp(-1) - (torch.softmax(logits, -1) * logits).sum(-1))
+    expected = torch.zeros_like(entropy).masked_scatter(keep, torch.cat(two_pass))
+    assert not entropy.requires_grad
+    torch.testing.assert_close(entropy, expected, rtol=1e-6, atol=1e-6)
+    assert (entropy[keep] > 0).all()
+
+
+# ---- 3. expandable segments unless the user chose -----------------------------------------------------------
+def test_cuda_gets_expandable_segments_unless_the_user_set_the_allocator(monkeypatch, capsys):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(name, "")  # unset, as pacs.py reads it; restored after the test
+    applied = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", applied.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pacs.pick_device(pacs.Config()).type == "cuda"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert applied == ["expandable_segments:True"]
+    assert "[memory] PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set by pacs.py" in capsys.readouterr().err
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")  # the user's choice stands
+    applied.clear()
+    assert pacs.use_expandable_segments() is False and applied == []
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
+    assert "as given: {'PYTORCH_CUDA_ALLOC_CONF': 'backend:cudaMallocAsync'}" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU road: nothing set
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    pacs.pick_device(pacs.Config(device="cpu"))
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+def test_setting_the_allocator_at_run_time_warns_of_nothing(monkeypatch, capsys):
+    # torch.cuda.memory._set_allocator_settings warns that it is deprecated (2.11, 2.13): the call pacs.py makes does
+    # not (tests/conftest.py turns a FutureWarning from our code into an error). On a CPU build it changes nothing.
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(name, "")
+    assert pacs.use_expandable_segments() is True
+
+
+# ---- 9. the checkpoint clock -----------------------------------------------------------------------------------
+@needs_qwen
+def test_the_save_minutes_default_lies_in_youngs_interval_for_a_checkpoint_of_the_default_model():
+    # A checkpoint of Qwen2.5-0.5B: fp32 weights and AdamW's two moments, 12 bytes per parameter (5.9 GB). Written
+    # at 0.5 to 1 GB/s it costs C = 6 to 12 s; with a mean time between interruptions M of 6 h to a day, the interval
+    # that loses the least time (Young: sqrt(2 C M)) is 8 to 24 minutes. 5 minutes wrote 6 GB every 5 minutes.
+    n = pacs.count_parameters(pacs.load_model_config(QWEN))
+    checkpoint = 12 * n
+    assert 5.8e9 < checkpoint < 6.0e9
+    young = lambda rate, hours: math.sqrt(2 * checkpoint / rate * hours * 3600) / 60  # minutes
+    assert young(1e9, 6) <= pacs.Config().save_minutes <= young(0.5e9, 24)
+    assert pacs.Config().save_minutes == 15
+
+
+# ---- 10. a resume restores the sizes an out-of-memory retry halved ---------------------------------------------
+def run(model, out_dir, *extra):
+    argv = ["--model", model, "--dataset", "synthetic", "--out-dir", str(out_dir), "--group-size", "4",
+            "--prompts-per-step", "4", "--num-mini-batches", "2", "--max-new-tokens", "3", "--lr", "1e-2",
+            "--eval-every", "0", "--log-samples-every", "0", "--temperature", "1.5", "--micro-batch-size", "4",
+            "--gen-batch-prompts", "4", "--save-every", "1", *extra]
+    pacs.main(argv)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def small_memory(monkeypatch):
+    """Out of memory on the first grad forward over more than 2 rows and on generate calls of more than 2 prompts:
+    step 0 halves --micro-batch-size 4 -> 2 and --gen-batch-prompts 4 -> 2, for the rest of the run."""
+    real_lp, real_gen, grad_calls = pacs.response_logprobs, pacs.generate_exactly, {"n": 0}
+
+    def logprobs(model, prompt_ids, *a, **k):
+        if torch.is_grad_enabled() and prompt_ids.shape[0] > 2:
+            grad_calls["n"] += 1
+            if grad_calls["n"] == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_lp(model, prompt_ids, *a, **k)
+
+    def generate(model, generation_config, **inputs):
+        if inputs["input_ids"].shape[0] > 2 * 4:  # more than 2 prompts of G = 4
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_gen(model, generation_config, **inputs)
+
+    monkeypatch.setattr(pacs, "response_logprobs", logprobs)
+    monkeypatch.setattr(pacs, "generate_exactly", generate)
+
+
+def test_a_resume_continues_at_the_sizes_an_out_of_memory_retry_halved(digit_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers: torch.arange(len(texts)) % 2.0)  # mixed groups
+    with monkeypatch.context() as m:
+        small_memory(m)
+        full = run(digit_model, tmp_path / "full", "--steps", "3")
+    with monkeypatch.context() as m:
+        small_memory(m)
+        run(digit_model, tmp_path / "part", "--steps", "2")  # killed after step 1's checkpoint
+    assert [(r["micro_batch_size"], r["gen_batch_prompts"]) for r in full] == [(2, 2)] * 3
+    state = torch.load(tmp_path / "part" / "checkpoint-000001" / "trainer_state.pt", weights_only=False)
+    assert state["sizes"] == {"micro_batch_size": 2, "gen_batch_prompts": 2}
+    assert (state["config"]["micro_batch_size"], state["config"]["gen_batch_prompts"]) == (4, 4)  # cfg: as typed
+    with open(tmp_path / "part" / "config.json") as f:
+        assert json.load(f)["micro_batch_size"] == 4
+    # the resumed process has the memory to try 4 again, but an uninterrupted run never would: it continues at 2
+    calls = []
+    real_gen = pacs.generate_exactly
+    monkeypatch.setattr(pacs, "generate_exactly", lambda model, config, **inputs: calls.append(
+        inputs["input_ids"].shape[0] // 4) or real_gen(model, config, **inputs))  # prompts per generate call
+    resumed = run(digit_model, tmp_path / "part", "--steps", "3", "--resume")
+    assert resumed[2]["micro_batch_size"] == 2 and calls == [2, 2]
+    timing = ("time_generate", "time_verify", "time_old_logprobs", "time_update", "step_time", "samples_per_s")
+    strip = lambda r: {k: v for k, v in r.items() if k not in timing}
+    assert strip(resumed[2]) == strip(full[2])  # the samples and the update of the uninterrupted run
+
+
+def test_resumed_sizes_keep_the_checkpoints_unless_the_flag_changed(capsys):
+    state = {"sizes": {"micro_batch_size": 2, "gen_batch_prompts": 16},
+             "config": {"micro_batch_size": 0, "gen_batch_prompts": 0}}  # both typed 0 (auto) by the saving run
+    planned = pacs.Sizes(8, 64)
+    assert pacs.resumed_sizes(pacs.Config(), planned, state) == pacs.Sizes(2, 16)  # the same command: restored
+    assert "[resume] batch sizes as the checkpoint left them" in capsys.readouterr().err
+    # --gen-batch-prompts typed differently now: that one is the user's (planned), the other restored
+    assert pacs.resumed_sizes(pacs.Config(gen_batch_prompts=32), pacs.Sizes(8, 32), state) == pacs.Sizes(2, 32)
+    assert pacs.resumed_sizes(pacs.Config(), planned, {"config": {}}) == planned  # a checkpoint from before sizes
+
+
+# ---- 1, 2. the check's own measurements: both peaks, a real allocator cap ----------------------------------------
+def test_the_check_reads_generates_peak_and_resets_it_so_the_update_has_its_own(monkeypatch):
+    import gpu_step
+    allocator = {"now": 0, "peak": 0}
+
+    def allocate(nbytes):
+        allocator["now"] += nbytes
+        allocator["peak"] = max(allocator["peak"], allocator["now"])
+        allocator["now"] -= nbytes
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: allocator["peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: allocator["peak"] + 1)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: allocator.update(peak=allocator["now"]))
+    phase = {}
+    sample = gpu_step.sample_full_length(lambda *a, min_new_tokens: allocate(10) or min_new_tokens,
+                                         torch.device("cuda"), 7, phase)
+    assert sample("model") == 7  # every response forced to full length
+    allocate(6)  # the update, after generate: its own peak
+    assert phase == {"generate_peak_bytes": 10, "generate_reserved_bytes": 11}
+    assert gpu_step.peak_bytes(torch.device("cuda")) == 6
+
+
+def test_memory_gib_caps_the_allocator_at_what_that_card_leaves_it(monkeypatch):
+    import gpu_step
+    caps = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(
+        total_memory=80 * pacs.GiB))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, *a: caps.append(f))
+    fraction, allowed = gpu_step.cap_allocator(22.5)
+    assert caps == [fraction] and fraction == pytest.approx(22 / 80)  # 22.5 less the CUDA context outside it
+    assert allowed == pytest.approx(22 * pacs.GiB)
+
+
+# ---- the prepared GPU check, rehearsed on the CPU at a tiny shape -------------------------------------------------
+@needs_qwen
+def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
+    gpu_dir, out = tmp_path / "gpu", tmp_path / "out"
+    prep = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "prepare", "--dest",
+                           str(gpu_dir)], capture_output=True, text=True, timeout=60)
+    assert prep.returncode == 0, prep.stderr
+    assert sorted(os.listdir(gpu_dir / "model")) == ["config.json", "generation_config.json", "tokenizer.json",
+                                                     "tokenizer_config.json"]
+    env = {**os.environ, "GPU_CHECK_DIR": str(gpu_dir), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), str(out), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    log = (out / "check.log").read_text() if (out / "check.log").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
+    files = sorted(os.listdir(out))
+    assert files == ["check.log", "lab.json", "probe.json", "psi_ckpt.json", "psi_plain.json", "step_22g.json",
+                     "step_default.json", "summary.md"]  # 8 files: what a device call brings back
+    for name in ("probe", "build", "psi_plain", "psi_ckpt", "step_default", "step_22g", "lab"):
+        assert f"== {name}: exit 0" in log, name
+    load = lambda name: json.loads((out / f"{name}.json").read_text())
+    assert load("probe")["missing_apis"] == [] and load("probe")["sdpa"]["MATH"]["padding_rows_finite"]
+    for name in ("psi_plain", "psi_ckpt"):
+        r = load(name)
+        assert r["psi_std_max"] == 0.0 and r["lr"] == 0.0 and r["varied_prompts"] == 60, name
+    assert load("psi_ckpt")["gradient_checkpointing"] and not load("psi_plain")["gradient_checkpointing"]
+    for name in ("step_default", "step_22g"):
+        r = load(name)
+        for key in ("generate_s", "old_logprobs_s", "update_s", "generated_tokens_per_s", "generate_peak_gib",
+                    "update_peak_gib", "plan_generate_gib", "plan_update_gib"):
+            assert r[key] > 0, (name, key)
+        assert r["steps"][0]["generate_peak_bytes"] > 0 and r["steps"][0]["update_peak_bytes"] > 0
+    assert load("step_22g")["memory_gib"] == 22.5 and load("step_22g")["allocator_cap_gib"] is None  # CPU: no cap
+    lab = load("lab")
+    assert lab["device"]["step_time"] > 0 and lab["cpu_1_core"]["step_time"] > 0 and lab["speedup"] > 0
+    summary = (out / "summary.md").read_text()
+    assert summary == proc.stdout[proc.stdout.index("| check"):]
+    assert summary.count("(pass;") == 2 and "FAIL" not in summary and "no result" not in summary
