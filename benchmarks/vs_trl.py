@@ -259,9 +259,9 @@ def resolve_model(name, tmp):
         return make_tiny_model_dir(os.path.join(tmp, "tiny_model"))
     import pacs
     if name == "smollm2":
-        return pacs._gguf_to_hf_dir(pacs.smollm2_gguf_path())
+        return pacs.gguf_to_hf_dir(pacs.smollm2_gguf_path())
     if name.endswith(".gguf"):
-        return pacs._gguf_to_hf_dir(name)
+        return pacs.gguf_to_hf_dir(name)
     return name
 
 

@@ -20,6 +20,30 @@ import pacs  # noqa: E402
 BINS = (0.0, 0.45, 0.49, 0.51, 0.55, 1.0)  # sigma(psi): both tails, the middle
 
 
+def rollout_updates(cfg, model, optimizer, roll, rewards, device):
+    """Phases 3 and 4 of pacs.train_step on a rollout sampled outside it, to watch the critic (docs/pacs.ipynb):
+    pi_old's log-probs, then one optimizer step per mini-batch of whole groups, as train_step runs them (PACS,
+    pi_ref = pi_old). Returns [(psi (B/M,), loss)], one per mini-batch, psi scored at the weights that mini-batch
+    trains from: 0 on mini-batch 0, where pi_theta == pi_old; on the later ones, what the earlier updates taught."""
+    B, M, sizes = len(rewards), cfg.num_mini_batches, pacs.Sizes.typed(cfg)
+    rows, mb = B // M, sizes.micro_batch_size
+    mask = roll["response_mask"].float()  # (B, T)
+    old_logprobs = torch.zeros_like(mask)  # (B, T); mini-batch 0 fills its own rows, at pi_old
+    with torch.no_grad(), pacs.autocast_context(cfg, device):
+        for sl in pacs.micro_slices(slice(rows, B), mb):
+            old_logprobs[sl] = pacs.step_logprobs(cfg, model, roll, sl)[0]
+    model.train()
+    out = []
+    for m in range(M):
+        mini = slice(m * rows, (m + 1) * rows)
+        (loss, psi, _), _, _ = pacs.optimizer_step(
+            cfg, model, optimizer, f"mini-batch {m}", lambda: pacs.accumulate_mini_batch(
+                cfg, model, roll, old_logprobs, mask, rewards, mini, m == 0, device, None, mb, sizes), sizes)
+        out.append((psi, float(loss)))
+    model.eval()
+    return out
+
+
 def centred(x, group_size):
     """x minus its group's mean: (B,) -> (B,)."""
     return x - x.view(-1, group_size).mean(1).repeat_interleave(group_size)
@@ -46,8 +70,8 @@ def probe(lab_dir, steps, beta, lr, seed):
         rewards = pacs.reward_fn(texts, [p["answer"] for p in batch for _ in range(G)])  # (B,)
         mask = roll["response_mask"].float()  # (B, T)
         with torch.no_grad():
-            old = (pacs._logprobs(cfg, model, roll, slice(0, len(rewards)))[0] * mask).sum(1)  # (B,) log pi_old
-        updates = pacs.rollout_updates(cfg, model, optimizer, roll, rewards, torch.device("cpu"))
+            old = (pacs.step_logprobs(cfg, model, roll, slice(0, len(rewards)))[0] * mask).sum(1)  # (B,) log pi_old
+        updates = rollout_updates(cfg, model, optimizer, roll, rewards, torch.device("cpu"))
         rows = len(rewards) // M
         for m in range(1, M):  # psi == 0 on mini-batch 0
             mini = slice(m * rows, (m + 1) * rows)
@@ -58,7 +82,8 @@ def probe(lab_dir, steps, beta, lr, seed):
 def report(psi, reward, length, old):
     sigma = 1 / (1 + np.exp(-psi))
     lines = [f"{len(psi):,} responses on mini-batches 1..M-1, success rate {reward.mean():.3f}",
-             f"corr(psi, R) {np.corrcoef(psi, reward)[0, 1]:+.3f} | corr(|psi|, R) {np.corrcoef(abs(psi), reward)[0, 1]:+.3f}"
+             f"corr(psi, R) {np.corrcoef(psi, reward)[0, 1]:+.3f} | "
+             f"corr(|psi|, R) {np.corrcoef(abs(psi), reward)[0, 1]:+.3f}"
              f" | corr(|psi|, centred log pi_old) {np.corrcoef(abs(psi), old)[0, 1]:+.3f}"
              f" | corr(R, centred log pi_old) {np.corrcoef(reward, old)[0, 1]:+.3f}",
              "sigma(psi) bin | responses | success rate | mean length | mean centred log pi_old"]

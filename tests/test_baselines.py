@@ -350,8 +350,8 @@ def test_the_value_model_is_verls_and_reads_the_state_before_each_token(digit_mo
     critic = pacs.load_value_model(cfg, digit_model, torch.device("cpu"))
     assert type(critic).__name__ == "Qwen2ForTokenClassification" and critic.config.num_labels == 1
     rows = slice(0, 4)
-    shared = pacs.response_values(critic, *pacs._rows(roll, rows), group_size=4)
-    full = pacs.response_values(critic, *pacs._rows(roll, rows), group_size=4, shared_prompt=False)
+    shared = pacs.response_values(critic, *pacs.rollout_rows(roll, rows), group_size=4)
+    full = pacs.response_values(critic, *pacs.rollout_rows(roll, rows), group_size=4, shared_prompt=False)
     torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-5)
     # by hand: one plain forward over prompt + response, the score head's output at position Lp - 1 + t
     ids = torch.cat([roll["prompt_ids"][rows], roll["response_ids"][rows]], 1)

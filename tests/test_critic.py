@@ -11,6 +11,7 @@ import torch
 
 import pacs
 from conftest import make_tiny_model_dir
+from critic_probe import rollout_updates  # experiments/, on the path by conftest
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -199,7 +200,7 @@ def test_critic_off_in_train_step_gives_mini_batch_0_pacs_gradient_exactly(tmp_p
         old = torch.zeros_like(mask)
         if not first:
             with torch.no_grad():
-                old = pacs._logprobs(cfg, model, roll, slice(0, 8))[0] + 0.1 * mask
+                old = pacs.step_logprobs(cfg, model, roll, slice(0, 8))[0] + 0.1 * mask
         pacs.accumulate_mini_batch(cfg, model, roll, old, mask, rewards, slice(0, 8), first, torch.device("cpu"))
         return [p.grad.clone() for p in model.parameters()]
 
@@ -280,7 +281,7 @@ def test_rollout_updates_are_train_steps_phases_3_and_4(tmp_path, monkeypatch):
     roll = pacs.sample(again, tok, [pacs.build_prompt(tok, p["problem"]) for p in batch], cfg.group_size,
                        cfg.max_new_tokens, batch_prompts=cfg.gen_batch_prompts)
     rewards = pacs.reward_fn(None, None)
-    updates = pacs.rollout_updates(cfg, again, pacs.make_optimizer(cfg, again), roll, rewards, device)
+    updates = rollout_updates(cfg, again, pacs.make_optimizer(cfg, again), roll, rewards, device)
 
     assert len(updates) == cfg.num_mini_batches and all(psi.shape == (8,) for psi, _ in updates)
     psi = torch.cat([p for p, _ in updates])

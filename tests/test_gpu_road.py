@@ -110,7 +110,8 @@ def test_every_attention_call_of_the_log_prob_forwards_runs_under_the_pin(digit_
     monkeypatch.setattr(pacs, "pin_attention", recording_pin)
     cfg = pacs.Config(group_size=4, prompts_per_step=2, num_mini_batches=2, micro_batch_size=4, max_new_tokens=6,
                       lr=0.0)
-    pacs.rollout_updates(cfg, model, pacs.make_optimizer(cfg, model), roll, rewards, torch.device("cpu"))
+    from critic_probe import rollout_updates  # experiments/: phases 3 and 4 of train_step on a given rollout
+    rollout_updates(cfg, model, pacs.make_optimizer(cfg, model), roll, rewards, torch.device("cpu"))
     assert calls and all(calls), calls  # phase 3's no-grad forwards and phase 4's grad forwards alike
 
 

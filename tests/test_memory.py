@@ -108,8 +108,8 @@ def test_out_of_memory_in_the_update_halves_the_micro_batch_and_loses_no_step(di
 
 
 def generate_fitting(monkeypatch, most):
-    """pacs._generate raises a simulated CUDA OOM on more than `most` prompts: the list of call sizes."""
-    real, calls = pacs._generate, []
+    """pacs.generate_groups raises a simulated CUDA OOM on more than `most` prompts: the list of call sizes."""
+    real, calls = pacs.generate_groups, []
 
     def small_memory(model, tokenizer, prompts, *a):
         calls.append(len(prompts))
@@ -117,7 +117,7 @@ def generate_fitting(monkeypatch, most):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(model, tokenizer, prompts, *a)
 
-    monkeypatch.setattr(pacs, "_generate", small_memory)
+    monkeypatch.setattr(pacs, "generate_groups", small_memory)
     return calls
 
 
@@ -210,7 +210,7 @@ def test_the_plan_counts_the_attention_masks_sdpa_saves(digit_model, digit_rollo
     hooks, saved = plan_terms.saved_tensors(model)
     b, T = roll["response_ids"].shape
     with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
-        pacs.response_logprobs(model, *pacs._rows(roll, slice(0, b)), 0.9, group_size=4)
+        pacs.response_logprobs(model, *pacs.rollout_rows(roll, slice(0, b)), 0.9, group_size=4)
     _, masks, _ = plan_terms.split(saved, model)  # bf16 (rows, 1, q, kv) tensors; RoPE's cos/sin are fp32
     cfg = pacs.Config(autocast="bf16", group_size=4, max_prompt_tokens=roll["prompt_ids"].shape[1],
                       max_new_tokens=T)
@@ -363,7 +363,7 @@ def test_the_plan_counts_a_rollout_copy_exactly_when_setup_model_makes_one(devic
     parts = pacs.memory_plan(cfg, config, n, device_type, 8, 1)
     assert parts["rollout copy"] == (2 * n if copy else 0)
     # setup_model copies exactly when the rollout dtype is not fp32
-    assert (pacs._rollout_dtype(cfg, device_type) != torch.float32) == copy
+    assert (pacs.rollout_torch_dtype(cfg, device_type) != torch.float32) == copy
 
 
 def test_the_rollout_copy_is_what_from_pretrained_in_bf16_loads(digit_model):

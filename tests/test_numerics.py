@@ -105,7 +105,7 @@ def test_the_routes_do_round_differently_in_bf16(wide_model):
     torch.manual_seed(0)
     prompts = [pacs.build_prompt(tok, "12 + 7 ="), pacs.build_prompt(tok, "3 + 4 =")]
     roll = pacs.sample(model, tok, prompts, group_size=G, max_new_tokens=12, temperature=1.5)
-    rows = pacs._rows(roll, slice(0, 2 * G))
+    rows = pacs.rollout_rows(roll, slice(0, 2 * G))
     for dtype, equal in ((torch.bfloat16, False), (None, True)):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
             shared, _ = pacs.response_logprobs(model, *rows, group_size=G, shared_prompt=True)

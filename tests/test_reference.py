@@ -104,7 +104,9 @@ def test_k1_is_the_run_without_a_reference_model_bit_for_bit(digit_model, const7
     for step in range(3):
         metrics, _ = pacs.train_step(cfg, model, tok, optimizer, problems, step, torch.device("cpu"))
         by_hand.append(json.loads(json.dumps(metrics)))
-    assert no_timing(rows) == no_timing(by_hand)
+    sizes = ("micro_batch_size", "gen_batch_prompts")  # the plan's in the run, as typed by hand: not the method's
+    assert [{k: v for k, v in r.items() if k not in sizes} for r in no_timing(rows)] == \
+        [{k: v for k, v in r.items() if k not in sizes} for r in no_timing(by_hand)]
     trained = final_weights(tmp_path / "k1")
     assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters())
     assert "critic_auc_first" not in rows[-1]  # psi == 0 on mini-batch 0 at K = 1: no first-mini-batch critic

@@ -70,5 +70,5 @@ def test_sampling_and_the_shared_prompt_forward_raise_no_deprecation_warning(tin
         roll = pacs.sample(model, tok, [pacs.build_prompt(tok, "1 + 1 ="), pacs.build_prompt(tok, "2 + 30 =")],
                            group_size=2, max_new_tokens=4)
         model.train()
-        pacs.response_logprobs(model, *pacs._rows(roll, slice(0, 4)), 1.0, group_size=2)
+        pacs.response_logprobs(model, *pacs.rollout_rows(roll, slice(0, 4)), 1.0, group_size=2)
     assert [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))] == []
