@@ -558,7 +558,8 @@ def train(cfg):
 
     problems = load_problems(cfg.dataset, "train", cfg.data_dir, cfg.problem_key, cfg.answer_key)
     n_before = len(problems)
-    prompt_tokens = lambda p: len(tokenizer(build_prompt(tokenizer, p["problem"]), add_special_tokens=False)["input_ids"])
+    prompt_tokens = lambda p: len(tokenizer(build_prompt(tokenizer, p["problem"]),
+                                            add_special_tokens=False)["input_ids"])
     problems = [p for p in problems if prompt_tokens(p) <= cfg.max_prompt_tokens]
     if len(problems) < n_before:
         print(f"[data] dropped {n_before - len(problems)} prompts longer than {cfg.max_prompt_tokens} tokens",
@@ -1620,7 +1621,8 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         parts["critic embedding gradient"] = 12 * V * H
         always += parts["critic weights (fp32)"] + parts["critic AdamW (fp32)"]
         working["critic"] = (parts["critic gradients (fp32)"] + parts["critic bf16 casts"]
-                             + parts["critic activations"] + max(parts["KV cache of the shared prompt"], parts["critic embedding gradient"]))
+                             + parts["critic activations"]
+                             + max(parts["KV cache of the shared prompt"], parts["critic embedding gradient"]))
     parts["state (held throughout)"] = always
     parts["peak: generate"] = always + sum(v for k, v in parts.items()
                                            if k.startswith(("KV cache of one", "generate")))
