@@ -43,37 +43,37 @@ import torch
 from tqdm.auto import tqdm
 
 import pacs
-from pacs import ConfigError, flag_field
+from pacs import ConfigError, flag
 from verify import extract_answer, verify
 
 
 @dataclass
 class EvalConfig:  # flags parsed by pacs.parse_flags (HfArgumentParser), as pacs.py's Config
-    model: str = flag_field("", "hub id, local dir or checkpoint, .gguf file, or 'smollm2'")
-    protocol: Literal["default", "v2"] = flag_field(
+    model: str = flag("", "hub id, local dir or checkpoint, .gguf file, or 'smollm2'")
+    protocol: Literal["default", "v2"] = flag(
         "default", "the value of --datasets, --n, --k, --temperature, --top-p and --max-new-tokens left "
         "unset: default (math500,amc23,aime24,aime25; n 16; k 1, 2, 4, ... n; T 0.6; top-p 0.95; 1,024 "
         "tokens) | v2, arXiv 2509.02522v2's (Sec. 4.1, Table 5: those four and beyondaime; n 128; "
         "k 1,4,8,16,32,64, those <= n; T 0.6; top-p 0.95; 8,192 tokens)")
-    datasets: Optional[str] = flag_field(None, "comma-separated presets (gsm8k, math, math500, aime24, aime25, "
+    datasets: Optional[str] = flag(None, "comma-separated presets (gsm8k, math, math500, aime24, aime25, "
                                    "amc23, beyondaime, synthetic) or .jsonl/.json/.parquet files; the test "
                                    "split of each (unset: --protocol's)")
-    data_dir: str = flag_field("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data)")
-    problem_key: str = flag_field("", "problem column of a local file (empty: 'problem')")
-    answer_key: str = flag_field("", "answer column of a local file (empty: 'answer')")
-    limit: int = flag_field(0, "only the first N problems of each dataset (0 = all)")
-    n: Optional[int] = flag_field(None, "samples per problem (unset: --protocol's)")
-    k: Optional[str] = flag_field(None, "comma-separated k for pass@k, each <= n (empty: 1, 2, 4, ... up to n; "
+    data_dir: str = flag("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data)")
+    problem_key: str = flag("", "problem column of a local file (empty: 'problem')")
+    answer_key: str = flag("", "answer column of a local file (empty: 'answer')")
+    limit: int = flag(0, "only the first N problems of each dataset (0 = all)")
+    n: Optional[int] = flag(None, "samples per problem (unset: --protocol's)")
+    k: Optional[str] = flag(None, "comma-separated k for pass@k, each <= n (empty: 1, 2, 4, ... up to n; "
                             "unset: --protocol's, its k above n left out)")
-    temperature: Optional[float] = flag_field(None, "sampling temperature (unset: --protocol's, 0.6)")
-    top_p: Optional[float] = flag_field(None, "nucleus sampling (unset: --protocol's, 0.95)")
-    max_new_tokens: Optional[int] = flag_field(None, "response length limit (unset: --protocol's)")
-    batch_size: int = flag_field(64, "most sequences per generate call (problems x n)")
-    seed: int = flag_field(0, "seeds each generate batch and the bootstrap")
-    device: Literal["auto", "cpu", "cuda"] = flag_field("auto", "auto | cpu | cuda (bf16 on CUDA, fp32 on CPU)")
-    out: str = flag_field("runs/eval", "config.json, samples.jsonl and metrics.json go here")
-    report: Optional[list[str]] = flag_field(None, "compare finished runs instead of evaluating", metavar="DIR")
-    report_out: str = flag_field("report.png", "PNG written by --report "
+    temperature: Optional[float] = flag(None, "sampling temperature (unset: --protocol's, 0.6)")
+    top_p: Optional[float] = flag(None, "nucleus sampling (unset: --protocol's, 0.95)")
+    max_new_tokens: Optional[int] = flag(None, "response length limit (unset: --protocol's)")
+    batch_size: int = flag(64, "most sequences per generate call (problems x n)")
+    seed: int = flag(0, "seeds each generate batch and the bootstrap")
+    device: Literal["auto", "cpu", "cuda"] = flag("auto", "auto | cpu | cuda (bf16 on CUDA, fp32 on CPU)")
+    out: str = flag("runs/eval", "config.json, samples.jsonl and metrics.json go here")
+    report: Optional[list[str]] = flag(None, "compare finished runs instead of evaluating", metavar="DIR")
+    report_out: str = flag("report.png", "PNG written by --report "
                            "(pass@k against k, one subplot per dataset)")
 
     def __post_init__(self):  # flags left unset take --protocol's value

