@@ -17,12 +17,12 @@ from curves import read_metrics  # noqa: E402  (a run's metrics.jsonl, sorted by
 
 # name -> pacs.py flags; everything else is shared by every run of a sweep
 METHODS = {
-    "pacs": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance"],  # the paper's PACS
+    "pacs": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance"],  # the official PACS
     "pacs-critic-off": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance",
                         "--no-implicit-critic"],  # 1/2 in place of sigma(psi): the ablation that isolates the critic
     # the critic's strength: psi = beta * sum log-ratio, so beta scales how far sigma(psi) moves off 1/2
     "pacs-beta0.5": ["--algo", "pacs", "--beta", "0.5", "--estimator", "rloo", "--balance"],
-    "pacs-beta2": ["--algo", "pacs", "--beta", "2.0", "--estimator", "rloo", "--balance"],  # paper's beta = 2
+    "pacs-beta2": ["--algo", "pacs", "--beta", "2.0", "--estimator", "rloo", "--balance"],  # official beta = 2 script
     "pacs-beta4": ["--algo", "pacs", "--beta", "4.0", "--estimator", "rloo", "--balance"],
     "pacs-beta0.1": ["--algo", "pacs", "--beta", "0.1", "--estimator", "rloo", "--balance"],  # v2's beta axis ends
     "pacs-beta10": ["--algo", "pacs", "--beta", "10.0", "--estimator", "rloo", "--balance"],
@@ -43,9 +43,9 @@ METHODS = {
                                    "--critic-control", "class-shuffled"],
     "pacs-critic-group-shuffled": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance",
                                    "--critic-control", "group-shuffled"],
-    "grpo": ["--algo", "grpo"],  # the paper's: seq-mean-token-sum-norm, dual clip 3, grad clip 1.0 (pacs.py's defaults)
+    "grpo": ["--algo", "grpo"],  # the official: seq-mean-token-sum-norm, dual clip 3, grad clip 1.0 (pacs.py's defaults)
     "grpo-token-mean": ["--algo", "grpo", "--loss-agg", "token-mean", "--clip-c", "0", "--max-grad-norm", "0"],
-    "ppo": ["--algo", "ppo"],  # the paper's: a value model, GAE (gamma = lam = 1), critic lr 1e-5
+    "ppo": ["--algo", "ppo"],  # the official: a value model, GAE (gamma = lam = 1), critic lr 1e-5
     "reinforce": ["--algo", "reinforce"],
 }
 ALIASES = {"pacs-beta1": "pacs", "pacs-est-rloo": "pacs"}  # the defaults of PACS under their ablation names

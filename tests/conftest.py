@@ -79,6 +79,16 @@ def tiny_problems_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def const7_file(tmp_path_factory):
+    """A local JSONL dataset whose every answer is 7 ("i + (7 - i) ="): rewards a tiny model can learn in steps."""
+    import json
+    path = tmp_path_factory.mktemp("const7") / "const7.jsonl"
+    rows = [{"id": str(i), "problem": f"{i} + {7 - i} =", "answer": "7"} for i in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def digit_model(tmp_path_factory):
     """A tiny model whose vocabulary is digits and a few symbols, so a 1-token answer is right ~1/18 of
     the time at random: groups have mixed rewards from the first step."""

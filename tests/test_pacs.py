@@ -17,14 +17,6 @@ SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
 TIMING_KEYS = {"time_generate", "time_verify", "time_old_logprobs", "time_update", "step_time", "samples_per_s"}
 
 
-@pytest.fixture(scope="module")
-def const7_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("const7") / "const7.jsonl"
-    rows = [{"id": str(i), "problem": f"{i} + {7 - i} =", "answer": "7"} for i in range(8)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 def run(model, dataset, out_dir, *extra):
     argv = ["--model", model, "--dataset", dataset, "--out-dir", str(out_dir), "--group-size", "8",
             "--prompts-per-step", "8", "--num-mini-batches", "2", "--micro-batch-size", "16",

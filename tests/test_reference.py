@@ -17,14 +17,6 @@ G, P, M = 8, 8, 2  # 8 prompts x 8 samples; 2 mini-batches of 32 rows, one micro
 ROWS_PER_MINI = P * G // M
 
 
-@pytest.fixture(scope="module")
-def const7_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("const7") / "const7.jsonl"
-    rows = [{"id": str(i), "problem": f"{i} + {7 - i} =", "answer": "7"} for i in range(8)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 def flags(model, dataset, out_dir, *extra):
     return ["--model", model, "--dataset", dataset, "--out-dir", str(out_dir), "--group-size", str(G),
             "--prompts-per-step", str(P), "--num-mini-batches", str(M), "--micro-batch-size", "32",
