@@ -259,9 +259,10 @@ def test_import_has_no_side_effects():
 
 
 def test_pacs_py_reads_in_order_with_the_plumbing_last():
-    """A first read goes config -> loss -> baselines -> one training step -> the loop; data, models, sampling,
-    log-probs, memory plan, checkpoints and flags sit below the PLUMBING banner. Python resolves names at call
-    time, so nothing but this test keeps that order."""
+    """A first read goes config -> loss -> baselines -> one training step (its phase 3, its accumulation, the reset
+    of pi_ref) -> the loop; the step's plumbing, PPO's value model, data, models, sampling, log-probs, memory plan,
+    checkpoints and flags sit below the PLUMBING banner. Python resolves names at call time, so nothing but this
+    test keeps that order."""
     import ast
     with open(os.path.join(ROOT, "pacs.py"), encoding="utf-8") as f:
         src = f.read()
@@ -269,10 +270,11 @@ def test_pacs_py_reads_in_order_with_the_plumbing_last():
     plumbing = [i for i, text in enumerate(src.splitlines(), 1) if text.startswith("# PLUMBING: skip on a first read")]
     reading = ["Config", "pacs_score", "class_balance_weights", "pacs_loss", "agg_loss", "ppo_loss", "grpo_loss",
                "gae", "value_loss", "reinforce_loss", "algo_loss", "group_auc", "critic_change", "train_step",
-               "accumulate_mini_batch", "accumulate_critic", "step_metrics", "optimizer_step", "train", "main"]
+               "reference_logprobs", "accumulate_mini_batch", "reset_reference", "train", "main"]
     assert [line[n] for n in reading] == sorted(line[n] for n in reading)
     assert len(plumbing) == 1 and line["main"] < plumbing[0]
-    for name in ("batch_indices", "implicit_critic_metrics", "value_model_metrics", "step_line", "load_problems",
+    for name in ("batch_indices", "step_metrics", "optimizer_step", "value_model_targets", "value_model_step",
+                 "accumulate_critic", "implicit_critic_metrics", "value_model_metrics", "step_line", "load_problems",
                  "load_model", "load_value_model", "sample", "response_hidden", "response_logprobs", "response_values",
                  "memory_plan", "save_checkpoint", "parse_args"):
         assert line[name] > plumbing[0], name
