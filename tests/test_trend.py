@@ -480,7 +480,7 @@ def check_summary_schema(summary):
     (the archive's) predates beta_axis and calibration."""
     assert {"settings", "runs", "axis", "paired", "wall_s"} <= set(summary) <= {
         "settings", "runs", "axis", "paired", "wall_s", "beta_axis", "calibration", "base", "rare", "control",
-        "decomposition", "critic_window", "bases", "stability", "efficiency"}
+        "decomposition", "critic_window", "bases", "stability", "efficiency", "reference", "v2_ablations"}
     settings = summary["settings"]
     for key in ("prompts", "group_size", "num_mini_batches", "steps", "max_new_tokens", "eval_n"):
         assert isinstance(settings[key], int) and settings[key] >= 1, key
