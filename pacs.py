@@ -105,10 +105,8 @@ class Config:
                                  "0 = the memory plan's")
     gen_batch_prompts: int = flag(0, "prompts per generate() call (each expands to G rows); "
                                   "0 = the memory plan's")
-    max_prompt_tokens: int = flag(512, "prompts longer than this are dropped, and counted "
-                                  "(official scripts: 512; paper v2: 1024)")
-    max_new_tokens: int = flag(1024, "response length limit (official scripts: 4096; "
-                               "paper v2: 8192)")
+    max_prompt_tokens: int = flag(512, "longer prompts are dropped, and counted (official: 512; v2: 1024)")
+    max_new_tokens: int = flag(1024, "response length limit (official scripts: 4096; paper v2: 8192)")
     temperature: float = flag(1.0, "sampling temperature (also scales the training logits)")
     top_p: float = flag(1.0, "nucleus sampling")
     # optimisation
@@ -119,8 +117,7 @@ class Config:
     max_grad_norm: Optional[float] = flag(None, "clip the gradient norm to this (0 = off); unset: the "
                                           "official scripts' 1.0 for grpo and ppo (actor and critic), off "
                                           "for pacs and reinforce")
-    steps: int = flag(300, "rollout steps (official scripts: 300; paper v2: 120 "
-                      "for 4B, 320 for 8B)")
+    steps: int = flag(300, "rollout steps (official scripts: 300; paper v2: 120 at 4B, 320 at 8B)")
     # system
     seed: int = flag(0, "seeds python, numpy and torch")
     out_dir: str = flag("runs/pacs", "metrics.jsonl, samples.jsonl and checkpoints go here")
@@ -417,19 +414,17 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     B, rows = len(rewards), rows_per_mini_batch(cfg)
     t_verify = time.time()
     # ---- 3. the reference of r_hat (ten lines: 3): pi_old's log-probs, or the frozen pi_ref's -----------
-    old_logprobs, ref_logprobs, entropy_sum = reference_logprobs(cfg, model, ref_model, roll, sizes, device, step)
-    reference = old_logprobs if ref_logprobs is None else ref_logprobs  # (B, T)
+    reference, entropy_sum = reference_logprobs(cfg, model, ref_model, roll, sizes, device, step)  # (B, T), ()
     ppo = value_model_targets(cfg, critic, roll, rewards, sizes, device, step) if critic is not None else None
     lp_rows = sizes.micro_batch_size  # the rows of phase 3's forwards: phase 4's log-probs take the same route
     t_old = time.time()
     # ---- 4. M updates: an AdamW step per mini-batch of whole groups (ten lines: 3-7, 9-10) --------------
-    # Mini-batch 0 sees pi_theta == pi_old: with pi_ref = pi_old, psi == 0 (a group-baseline REINFORCE step);
-    # later ones, and every one between resets of a frozen pi_ref, see psi != 0, where the critic sigma(psi) acts.
+    # psi == 0 on mini-batch 0 when pi_ref = pi_old (group-baseline REINFORCE); elsewhere the critic sigma(psi) acts
     model.train()
     losses, grad_norms, skipped, psis, critic_out = [], [], 0, [], []
     for m in range(M):
         mini = slice(m * rows, (m + 1) * rows)
-        first = m == 0 and ref_logprobs is None  # mini-batch 0's own forward gives its pi_old log-probs
+        first = m == 0 and ref_model is None  # mini-batch 0's own forward gives its pi_old log-probs
         (loss, psi, ent), grad_norm, applied = optimizer_step(
             cfg, model, optimizer, f"step {step}: mini-batch {m}", lambda: accumulate_mini_batch(
                 cfg, model, roll, reference, mask, rewards, mini, first, device, ppo and ppo["advantages"],
@@ -449,9 +444,9 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     metrics = step_metrics(step, roll, rewards, mask, G, entropy_sum, losses, grad_norms, skipped, psi)
     later = slice(rows, B)  # mini-batches 1..M-1: where the critic acts when pi_ref = pi_old (psi == 0 on 0)
     if psi is not None:
-        acts = later if ref_logprobs is None else slice(0, B)
+        acts = later if ref_model is None else slice(0, B)
         metrics.update(implicit_critic_metrics(psi[acts], rewards[acts], G, cfg.balance))
-        if ref_logprobs is not None:  # the critic before any update of the rollout
+        if ref_model is not None:  # the critic before any update of the rollout
             won, pairs = group_auc(psi[:rows], rewards[:rows], G)
             metrics["critic_auc_first"] = (won / pairs).item() if pairs else None
     if ppo is not None:
@@ -466,26 +461,26 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
 
 
 def reference_logprobs(cfg, model, ref_model, roll, sizes, device, step):
-    """Phase 3: (old_logprobs (B, T), ref_logprobs (B, T) or None, the entropy sum), no grad, before any update.
+    """Phase 3: (the log-probs r_hat is scored against (B, T), the entropy sum), no grad, before any update.
     pi_old's come from the training model on the loss's temperature-scaled logits (not generate's scores), for
-    mini-batches 1..M-1 only: mini-batch 0 trains at pi_old itself, so its own detached forward gives them (psi
-    exactly 0 there, no extra pass). A frozen pi_ref (ref_model) scores every row, and pi_old then only gives the
-    entropy. The route (micro-batches of sizes.micro_batch_size rows, each prompt run once for its group unless
+    mini-batches 1..M-1 only: mini-batch 0 trains at pi_old itself, so its own detached forward fills them in (psi
+    exactly 0 there, no extra pass). A frozen pi_ref (ref_model) scores every row instead; pi_old then only gives
+    the entropy. The route (micro-batches of sizes.micro_batch_size rows, each prompt run once for its group unless
     --gradient-checkpointing) is the one phase 4 takes: bf16 rounds differently on another route (~1e-2 a token),
     and psi sums up to 1,024 token log-ratios: a route mismatch would be psi != 0 where the weights have not moved."""
     mask = roll["response_mask"].float()  # (B, T)
     B, skip = mask.shape[0], rows_per_mini_batch(cfg) * (ref_model is None)
     while True:
-        old_logprobs, entropy_sum, ref_logprobs = torch.zeros_like(mask), torch.zeros((), device=device), None
+        old_logprobs, entropy_sum = torch.zeros_like(mask), torch.zeros((), device=device)
         try:
             with torch.no_grad(), autocast_context(cfg, device):
                 for sl in micro_slices(slice(skip, B), sizes.micro_batch_size):
                     old_logprobs[sl], ent = step_logprobs(cfg, model, roll, sl, with_entropy=True)
                     entropy_sum += (ent * mask[sl]).sum()
-                if ref_model is not None:
-                    ref_logprobs = torch.cat([step_logprobs(cfg, ref_model, roll, sl)[0]
-                                              for sl in micro_slices(slice(0, B), sizes.micro_batch_size)])
-            return old_logprobs, ref_logprobs, entropy_sum
+                if ref_model is None:
+                    return old_logprobs, entropy_sum
+                return torch.cat([step_logprobs(cfg, ref_model, roll, sl)[0]
+                                  for sl in micro_slices(slice(0, B), sizes.micro_batch_size)]), entropy_sum
         except torch.OutOfMemoryError as e:
             error = str(e)
         _retry_smaller(cfg, sizes, f"step {step}: old log-probs", error)  # outside `except`: failed tensors are freed
@@ -493,11 +488,10 @@ def reference_logprobs(cfg, model, ref_model, roll, sizes, device, step):
 
 def accumulate_mini_batch(cfg, model, roll, reference, mask, rewards, mini, first, device, advantages=None,
                           lp_rows=None, sizes=None):
-    """Forward/backward of one mini-batch (the rows `mini`, whole groups) into .grad, in micro-batches of
-    sizes.micro_batch_size rows. reference (B, T): the log-probs r_hat is scored against; first: pi_theta ==
-    pi_old, so this forward's detached log-probs fill reference[mini] and give the entropy. lp_rows: the rows of
-    phase 3's forwards (default: the micro-batch's). advantages (B, T): PPO's. sizes: default cfg's. Returns (loss,
-    psi or None, entropy sum), tensors."""
+    """Forward/backward of the rows `mini` (whole groups) into .grad, sizes.micro_batch_size rows at a time (sizes:
+    default cfg's). reference (B, T): what r_hat is scored against; first: pi_theta == pi_old, so this forward's
+    detached log-probs fill reference[mini] and give the entropy. lp_rows: phase 3's rows per forward (default: the
+    micro-batch's); advantages (B, T): PPO's. Returns (loss, psi or None, entropy sum), tensors."""
     G, mb, autocast = cfg.group_size, (sizes or Sizes.typed(cfg)).micro_batch_size, autocast_context(cfg, device)
     lp_rows = lp_rows or mb
     # The loss couples a group's rows (psi centres r_hat in the group). A micro-batch of whole groups on phase 3's

@@ -25,20 +25,16 @@ def rollout_updates(cfg, model, optimizer, roll, rewards, device):
     pi_old's log-probs, then one optimizer step per mini-batch of whole groups, as train_step runs them (PACS,
     pi_ref = pi_old). Returns [(psi (B/M,), loss)], one per mini-batch, psi scored at the weights that mini-batch
     trains from: 0 on mini-batch 0, where pi_theta == pi_old; on the later ones, what the earlier updates taught."""
-    B, M, sizes = len(rewards), cfg.num_mini_batches, pacs.Sizes.typed(cfg)
-    rows, mb = B // M, sizes.micro_batch_size
+    sizes, rows = pacs.Sizes.typed(cfg), pacs.rows_per_mini_batch(cfg)
     mask = roll["response_mask"].float()  # (B, T)
-    old_logprobs = torch.zeros_like(mask)  # (B, T); mini-batch 0 fills its own rows, at pi_old
-    with torch.no_grad(), pacs.autocast_context(cfg, device):
-        for sl in pacs.micro_slices(slice(rows, B), mb):
-            old_logprobs[sl] = pacs.step_logprobs(cfg, model, roll, sl)[0]
+    old_logprobs, _ = pacs.reference_logprobs(cfg, model, None, roll, sizes, device, step=0)  # mini-batch 0: its own
     model.train()
     out = []
-    for m in range(M):
+    for m in range(cfg.num_mini_batches):
         mini = slice(m * rows, (m + 1) * rows)
         (loss, psi, _), _, _ = pacs.optimizer_step(
             cfg, model, optimizer, f"mini-batch {m}", lambda: pacs.accumulate_mini_batch(
-                cfg, model, roll, old_logprobs, mask, rewards, mini, m == 0, device, None, mb, sizes), sizes)
+                cfg, model, roll, old_logprobs, mask, rewards, mini, m == 0, device, None, None, sizes), sizes)
         out.append((psi, float(loss)))
     model.eval()
     return out
