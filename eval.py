@@ -267,13 +267,22 @@ def load_datasets(args):
     return data
 
 
+def changed_settings(path, settings):
+    """The settings whose value in the JSON file `path` (an earlier run's) differs from `settings`, as
+    '--flag OLD there, NEW now' strings; [] when they all agree. Resumable scripts refuse to mix the two."""
+    with open(path) as f:
+        saved = json.load(f)
+    return [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {v!r} now" for k, v in settings.items()
+            if saved.get(k) != v]
+
+
 def check_run_config(args, has_rows):
     """config.json holds the sample settings of the rows in samples.jsonl; a rerun with other settings is
     refused. With no rows yet (say a typo in --model) the new settings simply replace it."""
     path = os.path.join(args.out, "config.json")
     mine = {k: getattr(args, k) for k in SAMPLE_KEYS}
     if has_rows and os.path.isfile(path):
-        diff = pacs.changed_settings(path, mine)
+        diff = changed_settings(path, mine)
         if diff:
             raise ConfigError(f"{args.out} holds samples taken with other settings ({'; '.join(diff)}); "
                               "use another --out")

@@ -1216,16 +1216,14 @@ def first_eos_mask(response_ids, eos_ids):
 
 
 def rollout_generation_config(max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, eos_token_id=None,
-                              pad_token_id=None, min_new_tokens=0):
+                              pad_token_id=None):
     """The GenerationConfig of every rollout (training, the in-loop greedy eval, eval.py): temperature and
-    top-p (or greedy), the length limit and the EOS/pad ids, and nothing else. Run it with `generate_exactly`.
-    min_new_tokens > 0 (benchmarks only: it bans EOS, so samples are no longer from pi) forces lengths."""
+    top-p (or greedy), the length limit and the EOS/pad ids, and nothing else. Run it with `generate_exactly`."""
     from transformers import GenerationConfig
     # top_k=0: no top-k cut when sampling (transformers' own default is 50); greedy runs no warper at all
     return GenerationConfig(do_sample=not greedy, temperature=1.0 if greedy else temperature,
                             top_p=1.0 if greedy else top_p, top_k=None if greedy else 0,
-                            max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                            min_new_tokens=min_new_tokens or None)
+                            max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
 
 def generate_exactly(model, generation_config, **inputs):
@@ -1271,19 +1269,18 @@ def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad):
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, temperature=1.0, top_p=1.0,
-           greedy=False, batch_prompts=32, progress=False, min_new_tokens=0, on_smaller=None):
+           greedy=False, batch_prompts=32, progress=False, on_smaller=None):
     """Generate group_size responses per prompt. Rows i*G..i*G+G-1 belong to prompt i.
 
     Returns a dict: prompt_ids (N, Lp) left-padded, prompt_mask (N, Lp), response_ids (N, T) right-padded,
     response_mask (N, T) = 1 up to and including the first EOS, truncated (N,) bool (no EOS), N = len*G.
-    batch_prompts <= 0: all prompts in one call. min_new_tokens (benchmarks) bans EOS before that length.
+    batch_prompts <= 0: all prompts in one call.
     Tokens after the first EOS are set to the pad id, so response_ids decode as they are. Out of memory, a
     generate call halves its prompts and retries; on_smaller(n) hears the new size, for the next calls to keep.
     """
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id
-    gen_cfg = rollout_generation_config(max_new_tokens, temperature, top_p, greedy, eos, pad,
-                                        min_new_tokens)  # nothing else: samples come from pi_old
+    gen_cfg = rollout_generation_config(max_new_tokens, temperature, top_p, greedy, eos, pad)  # samples ~ pi_old
     was_training = model.training
     model.eval()
     chunks, s, n = [], 0, batch_prompts if batch_prompts > 0 else len(prompts)
@@ -1806,15 +1803,6 @@ def latest_checkpoint(out_dir):
     done = sorted(d for d in glob.glob(os.path.join(out_dir, "checkpoint-*")) if not d.endswith(".tmp")
                   and os.path.isfile(os.path.join(d, "trainer_state.pt")))
     return done[-1] if done else None
-
-
-def changed_settings(path, settings):
-    """The settings whose value in the JSON file `path` (an earlier run's) differs from `settings`, as
-    '--flag OLD there, NEW now' strings; [] when they all agree. Resumable scripts refuse to mix the two."""
-    with open(path) as f:
-        saved = json.load(f)
-    return [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {v!r} now" for k, v in settings.items()
-            if saved.get(k) != v]
 
 
 # =====================================================================================================

@@ -142,11 +142,21 @@ def update_flops(config, n_params, prompt_tokens, response_tokens, rows, groups)
 
 
 def sample_full_length(sample, device, min_new_tokens, phase):
-    """pacs.sample with every response forced to min_new_tokens (EOS banned before: the default run's worst case),
-    which records generate's peak into phase (and on CUDA its reserved peak) and then resets the peak, so that the
-    peak read after train_step is the update's alone: old log-probs and updates, each phase against its own plan."""
+    """pacs.sample with every response forced to min_new_tokens (EOS banned before: the default run's worst case; its
+    rollout_generation_config, which keeps samples from pi, is wrapped for the call), which records generate's peak
+    into phase (and on CUDA its reserved peak) and then resets the peak, so that the peak read after train_step is the
+    update's alone: old log-probs and updates, each phase against its own plan."""
+    def forced_length_config(*a, make_config=pacs.rollout_generation_config, **k):
+        config = make_config(*a, **k)
+        config.min_new_tokens = min_new_tokens
+        return config
+
     def wrapped(*a, **k):
-        out = sample(*a, **k, min_new_tokens=min_new_tokens)
+        make_config, pacs.rollout_generation_config = pacs.rollout_generation_config, forced_length_config
+        try:
+            out = sample(*a, **k)
+        finally:
+            pacs.rollout_generation_config = make_config
         phase["generate_peak_bytes"] = peak_bytes(device)
         if device.type == "cuda":
             phase["generate_reserved_bytes"] = torch.cuda.max_memory_reserved()

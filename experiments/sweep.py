@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import pacs  # noqa: E402  (latest_checkpoint: the done-check reads pacs.py's own checkpoint layout)
 import lab  # noqa: E402  (the machine a result ran on)
+import eval as eval_py  # noqa: E402  (changed_settings: eval.py refuses a rerun with other settings alike)
 from curves import read_metrics  # noqa: E402  (a run's metrics.jsonl, sorted by step)
 
 # name -> pacs.py flags; everything else is shared by every run of a sweep
@@ -255,7 +256,7 @@ def check_sweep_file(args):
             saved = json.load(f)
         # a key newer than the sweep.json is no change while it has its neutral value
         older = {k for k in NEW_SWEEP_KEYS if k not in saved and mine[k] == NEW_SWEEP_KEYS[k]}
-        diff = pacs.changed_settings(path, {k: v for k, v in mine.items() if k not in older})
+        diff = eval_py.changed_settings(path, {k: v for k, v in mine.items() if k not in older})
         if diff:
             raise SweepError(f"{args.out} holds runs made with other settings ({'; '.join(diff)}); use another --out")
     flags = saved.get("method_flags", {})

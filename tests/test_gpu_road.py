@@ -335,9 +335,10 @@ def test_the_check_reads_generates_peak_and_resets_it_so_the_update_has_its_own(
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: allocator["peak"] + 1)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: allocator.update(peak=allocator["now"]))
     phase = {}
-    sample = gpu_step.sample_full_length(lambda *a, min_new_tokens: allocate(10) or min_new_tokens,
+    sample = gpu_step.sample_full_length(lambda *a: allocate(10) or pacs.rollout_generation_config(5).min_new_tokens,
                                          torch.device("cuda"), 7, phase)
     assert sample("model") == 7  # every response forced to full length
+    assert pacs.rollout_generation_config(5).min_new_tokens is None  # and only inside the call
     allocate(6)  # the update, after generate: its own peak
     assert phase == {"generate_peak_bytes": 10, "generate_reserved_bytes": 11}
     assert gpu_step.peak_bytes(torch.device("cuda")) == 6
