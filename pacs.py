@@ -882,11 +882,8 @@ def calibration_counts(psi, rewards):
 
 
 def implicit_critic_metrics(psi, rewards, group_size, balance):
-    """PACS's critic sigma(psi) on the rows of mini-batches 1..M-1 (host values; None where undefined):
-    critic_auc        share of (right, wrong) pairs within mixed groups that psi ranks right (group_auc)
-    critic_shift      mean |sigma(psi) - 1/2|: how far the critic moved off "no idea"
-    critic_adv_change |A - A0| / |A0|: the share of the update's advantage the critic rewrote (critic_change)
-    critic_calibration per sigma(psi) bin: responses, their summed sigma(psi), right ones (calibration_counts)"""
+    """PACS's critic sigma(psi) on the rows where psi can be nonzero (host values, None where undefined): critic_auc
+    (group_auc), critic_shift mean |sigma(psi) - 1/2|, critic_adv_change (critic_change), critic_calibration."""
     if psi.numel() == 0:  # M = 1: psi == 0, the critic never acts
         return {"critic_auc": None, "critic_pairs": 0, "critic_shift": None, "critic_adv_change": None,
                 "critic_calibration": None}
@@ -899,10 +896,8 @@ def implicit_critic_metrics(psi, rewards, group_size, balance):
 
 
 def value_model_metrics(values, returns, mask, rewards, group_size, later, updates):
-    """PPO's critic (host values): critic_auc scored as PACS's, on the same rows and pairs, by V at each
-    response's last token (the state that has read the whole response but that token, an EOS when it ended);
-    explained variance of the returns by V over all tokens; V(s_0), one per prompt, against the group's
-    success rate; and the value loss, clip fraction, grad norm and skips of the M critic steps (updates)."""
+    """PPO's critic (host values): critic_auc as PACS's, same rows and pairs, by V before each response's last token;
+    explained variance of the returns; V(s_0) against the group's success rate; the M critic steps' loss and skips."""
     m = mask.bool()
     last = values.gather(1, (mask.sum(1).long() - 1)[:, None]).squeeze(1)  # (B,)
     won, pairs = group_auc(last[later], rewards[later], group_size)
@@ -1109,10 +1104,8 @@ GPU_SCALE_TOKENS = 2 ** 16
 
 
 def pick_device(cfg):
-    """The run's torch.device, as resolve_device, with two refusals in one line naming why CUDA is unusable (a driver
-    older than the wheel, no driver, a CPU-only torch): --device cuda without a usable GPU, and --device auto without
-    one at GPU-scale settings (GPU_SCALE_TOKENS: the defaults), where a silent CPU fallback would run for days.
-    --device cpu and --plan-only are never refused. On CUDA, the allocator's expandable segments (see below)."""
+    """The run's torch.device. Refused in one line naming why CUDA is unusable: --device cuda without a usable GPU,
+    and --device auto without one at GPU scale (GPU_SCALE_TOKENS), where a CPU fallback would run for days."""
     tokens = cfg.prompts_per_step * cfg.group_size * cfg.max_new_tokens
     if cfg.device != "cpu" and not cfg.plan_only and not torch.cuda.is_available():
         if cfg.device == "cuda":
@@ -1141,11 +1134,8 @@ ALLOC_CONF = "expandable_segments:True"
 
 
 def use_expandable_segments():
-    """PyTorch's allocator with expandable segments on CUDA, unless the user set PYTORCH_CUDA_ALLOC_CONF (or
-    PYTORCH_ALLOC_CONF), said on stderr either way. generate() grows transformers' dynamic KV cache by torch.cat at
-    every decode step, two tensors per layer reallocated per token, each a little larger: in fixed-size segments
-    the freed blocks fit no later request, and the reserved memory climbs to the card's limit. Expandable segments
-    grow in place. Set before the allocator's first use, and again at run time in case it has read the variable."""
+    """Expandable segments for CUDA's allocator unless PYTORCH_(CUDA_)ALLOC_CONF is set, said either way: generate()
+    grows the KV cache by torch.cat every token, whose freed blocks fit no fixed-size segment's later request."""
     given = {k: os.environ[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if os.environ.get(k)}
     if given:
         print(f"[memory] CUDA allocator settings as given: {given}", file=sys.stderr)
@@ -1227,15 +1217,10 @@ def rollout_generation_config(max_new_tokens, temperature=1.0, top_p=1.0, greedy
 
 
 def generate_exactly(model, generation_config, **inputs):
-    """model.generate(**inputs) with generation_config and nothing inherited from the model.
-
-    transformers 5 fills every field of the given config that is None from model.generation_config
-    (`_prepare_generation_config`), and None is the "off" value of most logits processors: a checkpoint's
-    generation_config.json (Qwen2.5-Instruct: repetition_penalty 1.1, top_k 20, top_p 0.8, temperature 0.7)
-    would reach the sampler through any field left unset. Samples would then not come from pi_old, the
-    distribution response_logprobs computes and the PACS/PPO ratio is taken against. So generate runs against
-    a blank model.generation_config: the fields left unset get transformers' neutral global defaults only,
-    however many fields a future version adds. tests/test_qwen_files.py checks generate's processed scores."""
+    """model.generate(**inputs) with generation_config and nothing inherited from the model. transformers 5 fills
+    every None field of the given config from model.generation_config, and a checkpoint's (Qwen2.5-Instruct:
+    repetition_penalty 1.1, top_k 20, top_p 0.8, temperature 0.7) would take samples off pi_old, the distribution the
+    PACS/PPO ratio is taken against. So generate runs against a blank one (tests/test_qwen_files.py checks it)."""
     from transformers import GenerationConfig
     inherited, model.generation_config = model.generation_config, GenerationConfig()
     try:
@@ -1270,14 +1255,9 @@ def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad):
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, temperature=1.0, top_p=1.0,
            greedy=False, batch_prompts=32, progress=False, on_smaller=None):
-    """Generate group_size responses per prompt. Rows i*G..i*G+G-1 belong to prompt i.
-
-    Returns a dict: prompt_ids (N, Lp) left-padded, prompt_mask (N, Lp), response_ids (N, T) right-padded,
-    response_mask (N, T) = 1 up to and including the first EOS, truncated (N,) bool (no EOS), N = len*G.
-    batch_prompts <= 0: all prompts in one call.
-    Tokens after the first EOS are set to the pad id, so response_ids decode as they are. Out of memory, a
-    generate call halves its prompts and retries; on_smaller(n) hears the new size, for the next calls to keep.
-    """
+    """group_size responses per prompt, rows i*G..i*G+G-1 of prompt i: prompt_ids, prompt_mask (N, Lp) left-padded,
+    response_ids (N, T) (pad after the first EOS), response_mask (N, T) (1 up to and including it), truncated (N,).
+    batch_prompts prompts per generate call (<= 0: all); out of memory it halves, and on_smaller(n) hears it."""
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id
     gen_cfg = rollout_generation_config(max_new_tokens, temperature, top_p, greedy, eos, pad)  # samples ~ pi_old
@@ -1346,12 +1326,10 @@ def token_logprobs(lm_head, hidden, targets, temperature, with_entropy=False):  
 
 
 def response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size=1, shared_prompt=True):
-    """(hidden (b, T, H), keep (b, T)): the decoder's last hidden state at the position before each response
-    token t, the state s_t that predicts token t (and that PPO's critic values), with T trimmed to the last
-    real token; keep marks the real response tokens. With group_size G > 1 and shared_prompt, rows
-    i*G..i*G+G-1 must share their prompt: it is run once per group and its keys/values are shared by the G
-    responses (see below). shared_prompt=False runs every row in full (activation checkpointing drops the KV
-    cache in training mode, so the shared-prompt path cannot run under it)."""
+    """(hidden (b, T, H), keep (b, T)): the decoder's last hidden state s_t before each response token t (what
+    predicts t, and what PPO's critic values), T trimmed to the last real token; keep marks the real tokens. With G > 1
+    and shared_prompt, rows i*G..i*G+G-1 share their prompt, run once per group. shared_prompt=False runs every row
+    in full (activation checkpointing drops the KV cache in training mode)."""
     # trim columns that are padding in every row: less work, same numbers for the real tokens
     keep_p = prompt_mask.any(0).nonzero()
     keep_r = response_mask.any(0).nonzero()
@@ -1396,11 +1374,9 @@ def _scatter_response(values, keep, width):
 
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0,
                       with_entropy=False, group_size=1, chunk=LOGITS_CHUNK, shared_prompt=True):
-    """Per-token log pi(response | prompt) (b, T) from temperature-scaled logits, and optionally the
-    per-token entropy (b, T); both are 0 where response_mask is 0. group_size, shared_prompt: how the prompt
-    is run (response_hidden). The decoder gives hidden states; the LM head and the fp32 log-softmax then run
-    over `chunk` response tokens at a time and, when grad is on, are recomputed in backward: the logits of a
-    micro-batch (b x T x 151,936 for Qwen) and their gradient never exist in full."""
+    """Per-token log pi(response | prompt) (b, T) from temperature-scaled logits, and optionally the entropy (b, T);
+    0 where response_mask is 0. The LM head and fp32 log-softmax run over `chunk` tokens at a time, recomputed in
+    backward: a micro-batch's logits (b x T x 151,936 for Qwen) and their gradient never exist in full."""
     hidden, keep = response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
                                    shared_prompt)
     lm_head = model.get_output_embeddings()
@@ -1424,11 +1400,9 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
 
 
 def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask, group_size=1, shared_prompt=True):
-    """PPO's V(s_t) (b, T): the value model's scalar head on the hidden state before each response token, 0
-    past the response. verl vs this code: verl's values are masked by the attention mask shifted by one, so it
-    also predicts the state after the last token and regresses it on a return of 0; at gamma = lam = 1 that
-    value cancels out of the advantages. The head (H x 1) runs in fp32 outside autocast (verl takes its bf16
-    output under autocast): a value is a regression target's estimate, and bf16 keeps only ~3 digits of it."""
+    """PPO's V(s_t) (b, T): the value head on the hidden state before each response token, 0 past the response (verl
+    also values the state after the last token, on a return of 0, which cancels at gamma = lam = 1). The head runs
+    in fp32 outside autocast (verl's is bf16): bf16 keeps ~3 digits of a regression estimate."""
     hidden, keep = response_hidden(critic, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
                                    shared_prompt)
     with torch.autocast(hidden.device.type, enabled=False):
@@ -1448,12 +1422,10 @@ def step_logprobs(cfg, model, roll, rows, with_entropy=False):
     return lp, ent
 
 
-# SDPA's kernels on CUDA, pinned wherever log-probs are taken: psi = 0 at pi_theta == pi_old needs the no-grad
-# forwards of phase 3 and the grad forwards of phase 4 to run the same kernel, and SDPA picks by the inputs
-# (requires_grad among them). Flash takes the calls without a mask (and GQA's), memory-efficient those with one
-# (left padding); math (O(T^2) memory) and cuDNN (its own rules, release by release) never run. setup_model also
-# turns math and cuDNN off for the whole run, so --gradient-checkpointing's recomputation in backward and
-# generate() take the same kernels. On the CPU nothing changes.
+# SDPA's kernels on CUDA, pinned wherever log-probs are taken: psi = 0 at pi_theta == pi_old needs phase 3's no-grad
+# forwards and phase 4's grad forwards on the same kernel, and SDPA picks by the inputs (requires_grad too). Flash
+# takes the unmasked calls, memory-efficient the left-padded; math (O(T^2) memory) and cuDNN never run (setup_model
+# turns them off for the run, checkpointing's recomputation and generate() included). The CPU is unchanged.
 PINNED_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 
 
@@ -1496,12 +1468,10 @@ _KV_ITEMSIZES = {}  # (config class, autocast dtype) -> (key, value) bytes per e
 
 
 def kv_cache_itemsizes(config_class, autocast):
-    """(key, value) bytes per element of the training forward's shared-prompt KV cache, grown over the responses
-    under `autocast` (a dtype, or None for fp32), measured once on a one-layer model of the same class with the
-    installed transformers. Under bf16 autocast RoPE multiplies the bf16 keys by fp32 cos/sin, so the keys are
-    fp32; the values leave v_proj in bf16, and releases differ on what the cache keeps: transformers 5.24's
-    DynamicLayer keeps them bf16, earlier releases promoted them to the keys' fp32. The rule is the dtypes', not
-    the device's: CPU autocast stands in for CUDA's."""
+    """(key, value) bytes per element of the training forward's shared-prompt KV cache under `autocast` (a dtype or
+    None), measured once on a one-layer model of the class with the installed transformers: under bf16 autocast RoPE
+    makes the keys fp32, and whether the values stay bf16 depends on the release (5.24: bf16). CPU autocast stands in
+    for CUDA's: the rule is the dtypes'."""
     if (config_class, autocast) not in _KV_ITEMSIZES:
         from transformers import AutoModel
         c = config_class(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -1585,16 +1555,12 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         "bf16 weight casts": 2 * (n_params - V * H) if a == 2 else 0,  # autocast's copies, held until backward
         "activations of a micro-batch": activations,
         "attention masks (SDPA)": masks,
-        # a chunk's logits, their fp32 softmax and gradient; and three vocab x hidden fp32 temporaries alive at
-        # once in backward (the LM head's weight gradient, its sum into the tied weight's .grad, the embedding's
-        # dense gradient), plus the bf16 cast and bf16 gradient on CUDA. Measured on the CPU: 3.2 V*H*4 bytes
-        # + 4.5..9 bytes per token per vocab entry over the held state in fp32; about 12 V*H + 9.2 per token and
-        # entry under bf16 autocast (the plan keeps the difference as margin: CUDA is not measured)
+        # a chunk's logits, their fp32 softmax and gradient, and three V x H fp32 temporaries alive in backward (the
+        # LM head's weight gradient, its sum into the tied .grad, the embedding's dense gradient), plus bf16 copies
+        # under autocast; measured on the CPU at 3.2 V*H*4 bytes + 4.5..9 bytes per token and vocab entry (fp32)
         "logits chunk": chunk_logits + V * H * (12 + (4 if a == 2 else 0)),
-        # The training forward's KV cache of the shared prompt, grown over the responses, in the dtypes the
-        # installed transformers keeps (kv_cache_itemsizes: fp32 keys under autocast; bf16 or fp32 values). It is
-        # freed when response_logprobs returns, before backward: it adds to the end of the forward (the last
-        # chunk's logits alive), not to the LM head's backward.
+        # the training forward's shared-prompt KV cache (kv_cache_itemsizes' dtypes), freed before backward: it adds
+        # to the end of the forward (the last chunk's logits alive), not to the LM head's backward
         "KV cache of the shared prompt": 0 if ckpt else mb * (Lp + T) * kv_per_token // 2 * sum(
             kv_cache_itemsizes(type(c), autocast_dtype(cfg, device_type))),
     }
@@ -1606,10 +1572,8 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
     always = (parts["weights (fp32)"] + parts["AdamW moments (fp32)"] + parts["rollout copy"]
               + parts["reference copy (fp32)"])
     if cfg.algo == "ppo":
-        # The value model: fp32 weights and AdamW held all run long (generate included). Its update runs after the
-        # actor's gradients are freed (zero_grad(set_to_none=True)), on the actor's route (response_values shares a
-        # group's prompt as response_logprobs does), with a Linear(H, 1) where the actor has its LM head: the same
-        # activations, masks and prompt cache, no logits. Its working set replaces the actor's at the peak.
+        # The value model: fp32 weights and AdamW held all run long. Its update runs after the actor's gradients are
+        # freed, on the actor's route with Linear(H, 1) for the LM head: its working set replaces the actor's.
         nc = critic_parameters(c, n_params)
         parts["critic weights (fp32)"], parts["critic AdamW (fp32)"] = 4 * nc, 8 * nc
         parts["critic gradients (fp32)"] = 4 * nc
@@ -1637,11 +1601,9 @@ def rollout_torch_dtype(cfg, device_type):
 
 
 def device_memory(device_type, memory_gib=0.0):
-    """Bytes the plan starts from, counted as a card reports its size (plan_budget then takes the CUDA context off).
-    --memory-gib: as if the card reported that many GiB (a "24 GB" card reports 22.5 GiB: an A10G, an L4). On CUDA
-    otherwise what this process can have, not the card's total: the free memory (torch.cuda.mem_get_info, which a
-    display or another process has already taken from) plus what this process holds (its allocator's reserved
-    memory, the loaded weights among it, and its CUDA context). On the CPU, the machine's RAM."""
+    """Bytes the plan starts from, as a card reports its size: --memory-gib's (a "24 GB" A10G or L4 reports 22.5
+    GiB); on CUDA what this process can have (free memory plus its own reserved memory and CUDA context); on the CPU,
+    the machine's RAM."""
     if memory_gib > 0:
         return memory_gib * GiB
     if device_type == "cuda":
@@ -1740,11 +1702,9 @@ def count_parameters(model_config):
 
 
 def rollout_copy(model, dtype):
-    """The weights generate() runs on: a copy of model with its parameters cast to dtype and its buffers as they
-    are, as from_pretrained(dtype=bf16) leaves them: the RoPE frequencies inv_freq stay fp32. model.to(bf16) would
-    round them too, and the rotation angle p * inv_freq at position p would carry their rounding (up to 2^-8
-    relative: radians by position 1000), moving the sampler further from the trainer than bf16 weights do.
-    The copy is then the model eval.py loads with from_pretrained(dtype=bf16)."""
+    """The weights generate() runs on: parameters cast to dtype, buffers kept, as from_pretrained(dtype=bf16) (and so
+    eval.py) leaves them. model.to(bf16) would round RoPE's inv_freq too, and the angle p * inv_freq would err by
+    radians at position 1000, moving the sampler further from the trainer than bf16 weights do."""
     rollout = copy.deepcopy(model)
     for p in rollout.parameters():  # each tensor once: a tied LM head stays tied to its embedding
         p.data = p.data.to(dtype)
@@ -1809,10 +1769,8 @@ def latest_checkpoint(out_dir):
 # Flags, optimizer, model setup
 # =====================================================================================================
 def parse_flags(cls, description, argv=None):
-    """An instance of dataclass cls from command-line flags, parsed by transformers' HfArgumentParser (as TRL's
-    scripts are): --field-name or --field_name per field with its default and the help in its metadata, --x /
-    --no-x for a bool, one or more values for a list, and a Literal's values as the only choices argparse
-    accepts. pacs.py's Config and eval.py's EvalConfig are parsed here."""
+    """Dataclass cls from command-line flags by transformers' HfArgumentParser, as TRL's scripts: --field-name per
+    field with its metadata's help, --x / --no-x for a bool, a Literal's values as choices (Config, eval.py's too)."""
     from transformers import HfArgumentParser
     parser = HfArgumentParser(cls, description=description)
     (parsed,) = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
@@ -1860,10 +1818,8 @@ def make_optimizer(cfg, model, fused=True, lr=None):
 
 
 def load_value_model(cfg, path, device):
-    """PPO's critic, as verl builds it: AutoModelForTokenClassification(num_labels=1) from the policy's
-    checkpoint (its decoder and a new scalar `score` head, no dropout), fp32 master weights like the actor's.
-    The head's random init draws from an RNG forked and seeded by --seed, so the global RNG, and with it
-    every sample, is what the other --algo runs see."""
+    """PPO's critic as verl builds it: AutoModelForTokenClassification(num_labels=1) from the policy's checkpoint, fp32
+    Its head's init draws from a forked RNG seeded by --seed, so every sample is what the other --algo runs see."""
     from transformers import AutoConfig, AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
     path = resolve_model_path(path)
