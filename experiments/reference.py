@@ -88,13 +88,20 @@ def reference_summary(runs_root, summary, base_pass1=None, prompts=32):
     return {"arms": arms, "base_pass@1": base_pass1}
 
 
-def ablation_summary(summary, prompts=32):
-    """summary.json's `v2_ablations`: each of paper v2's ablations that has runs, paired by seed with PACS (pass@1,
-    pass@64, final entropy); None when none has run."""
+def ablation_summary(summary, prompts=32, base_pass1=None):
+    """summary.json's `v2_ablations`: each of paper v2's ablations that has runs, its test pass@1, sigma(psi)'s AUC and
+    the runs that end below the base model's pass@1 (diverged), paired by seed with PACS (pass@1, pass@64, final
+    entropy); None when none has run."""
     runs, swept = summary["runs"], prompts // summary["settings"]["num_mini_batches"]
-    out = [{"method": m, "seeds": sum(e["method"] == m for e in runs),
-            "paired": [p for p in (paired_entry(runs, m, "pacs", metric, swept) for metric in METRICS) if p["seeds"]]}
-           for m in ABLATIONS if any(e["method"] == m for e in runs)]
+    out = []
+    for m in ABLATIONS:
+        entries = [e for e in runs if e["method"] == m]
+        if entries:
+            out.append({"method": m, "seeds": len(entries), "pass@1": interval([e["pass@1"] for e in entries]),
+                        "critic_auc": interval([e["critic_auc"] for e in entries]),
+                        "diverged": None if base_pass1 is None else sum(e["pass@1"] < base_pass1 for e in entries),
+                        "paired": [p for p in (paired_entry(runs, m, "pacs", metric, swept) for metric in METRICS)
+                                   if p["seeds"]]})
     return out or None
 
 
@@ -140,10 +147,11 @@ def tables(summary):
                 f"{diff(a['paired'], 'pacs', 'final_entropy')} | {a['diverged']} of {a['seeds']} |"
                 for a in ref["arms"]]
     if abl:
-        out += ["", "| v2's ablation | seeds | pass@1 − PACS | pass@64 − PACS | final entropy − PACS |",
-                "|---|---:|---:|---:|---:|"]
-        out += [f"| {a['method']} | {a['seeds']} | {diff(a['paired'], 'pacs', 'pass@1')} | "
-                f"{diff(a['paired'], 'pacs', 'pass@64')} | {diff(a['paired'], 'pacs', 'final_entropy')} |"
+        out += ["", "| v2's ablation | seeds | test pass@1 | − PACS | pass@64 − PACS | final entropy − PACS "
+                "| σ(ψ) AUC | below the base |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {a['method']} | {a['seeds']} | {ci(a['pass@1'])} | {diff(a['paired'], 'pacs', 'pass@1')} | "
+                f"{diff(a['paired'], 'pacs', 'pass@64')} | {diff(a['paired'], 'pacs', 'final_entropy')} | "
+                f"{ci(a['critic_auc'])} | {'–' if a['diverged'] is None else a['diverged']} of {a['seeds']} |"
                 for a in abl]
     return "\n".join(out)
 
