@@ -88,17 +88,24 @@ def reference_summary(runs_root, summary, base_pass1=None, prompts=32):
     return {"arms": arms, "base_pass@1": base_pass1}
 
 
-def ablation_summary(summary, prompts=32, base_pass1=None):
-    """summary.json's `v2_ablations`: each of paper v2's ablations that has runs, its test pass@1, sigma(psi)'s AUC and
-    the runs that end below the base model's pass@1 (diverged), paired by seed with PACS (pass@1, pass@64, final
+def ablation_summary(summary, prompts=32, base_pass1=None, runs_root=None):
+    """summary.json's `v2_ablations`: each of paper v2's ablations that has runs, its test pass@1, sigma(psi)'s AUC,
+    the runs that end below the base model's pass@1 (diverged) and, from the result files under runs_root, the mean
+    gradient norm over the run (and PACS's on the same seeds), paired by seed with PACS (pass@1, pass@64, final
     entropy); None when none has run."""
     runs, swept = summary["runs"], prompts // summary["settings"]["num_mini_batches"]
+    files = [r for r in lab_results(runs_root, f"test-p{prompts}") if r["settings"]["prompts"] == prompts] \
+        if runs_root else []
+    grad_norm = lambda m, seeds: interval([run_mean(step_rows(r), "grad_norm") for r in files
+                                           if r["method"] == m and r["seed"] in seeds])
     out = []
     for m in ABLATIONS:
         entries = [e for e in runs if e["method"] == m]
         if entries:
             out.append({"method": m, "seeds": len(entries), "pass@1": interval([e["pass@1"] for e in entries]),
                         "critic_auc": interval([e["critic_auc"] for e in entries]),
+                        "grad_norm": grad_norm(m, {e["seed"] for e in entries}) if files else None,
+                        "grad_norm_pacs": grad_norm("pacs", {e["seed"] for e in entries}) if files else None,
                         "diverged": None if base_pass1 is None else sum(e["pass@1"] < base_pass1 for e in entries),
                         "paired": [p for p in (paired_entry(runs, m, "pacs", metric, swept) for metric in METRICS)
                                    if p["seeds"]]})
@@ -111,6 +118,10 @@ def ci(stat, fmt=".3f"):
         return "–"
     lo, hi = stat["ci95_t"]
     return f"{stat['mean']:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]" if lo is not None else f"{stat['mean']:{fmt}}"
+
+
+def norm(stat):
+    return "–" if stat is None or stat["mean"] is None else f"{stat['mean']:.3g}"
 
 
 def diff(paired, b, metric):
@@ -148,11 +159,12 @@ def tables(summary):
                 for a in ref["arms"]]
     if abl:
         out += ["", "| v2's ablation | seeds | test pass@1 | − PACS | pass@64 − PACS | final entropy − PACS "
-                "| σ(ψ) AUC | below the base |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                "| σ(ψ) AUC | grad norm (PACS's) | below the base |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         out += [f"| {a['method']} | {a['seeds']} | {ci(a['pass@1'])} | {diff(a['paired'], 'pacs', 'pass@1')} | "
                 f"{diff(a['paired'], 'pacs', 'pass@64')} | {diff(a['paired'], 'pacs', 'final_entropy')} | "
-                f"{ci(a['critic_auc'])} | {'–' if a['diverged'] is None else a['diverged']} of {a['seeds']} |"
-                for a in abl]
+                f"{ci(a['critic_auc'])} | {norm(a['grad_norm'])} ({norm(a['grad_norm_pacs'])}) | "
+                f"{'–' if a['diverged'] is None else a['diverged']} of {a['seeds']} |" for a in abl]
     return "\n".join(out)
 
 

@@ -337,7 +337,7 @@ def summary_json(runs_root, lab_dir="", prompts=32, last=10, results_name=""):
     reference = reference_summary(runs_root, summary, base["pass@k"]["1"] if base else None, prompts)
     if reference:  # the paper's pi_ref: PACS with --ref-reset-every K against K = 1 (experiments/reference.py)
         summary["reference"] = reference
-    ablations = ablation_summary(summary, prompts, base["pass@k"]["1"] if base else None)
+    ablations = ablation_summary(summary, prompts, base["pass@k"]["1"] if base else None, runs_root)
     if ablations:  # paper v2's ablations at PACS's lr, each against PACS
         summary["v2_ablations"] = ablations
     window = critic_window(runs_root)

@@ -23,6 +23,7 @@ def write_result(root, method, seed, psi_abs, auc_first):
     flags = ["--algo", method, "--beta", "1.0"]
     result = {"method": method, "seed": seed, "settings": {**SETTINGS, "pacs_flags": flags},
               "metrics": {"reward": [0.1] * steps, "entropy": [0.2 + 0.01 * seed] * steps,
+                          "grad_norm": [(3e6 if method == "pacs-no-balance" else 12.0) * (0.9 + seed / 10)] * steps,
                           "critic_auc": [0.55] * steps, "critic_pairs": [4] * steps, "psi_abs": psi_abs,
                           "critic_auc_first": auc_first},
               "calibration": None, "eval": {"test.jsonl": {"1": PASS1[method] + 0.01 * seed, "64": 0.9}},
@@ -44,7 +45,7 @@ def summary(tmp_path):
             write_result(root, method, seed, [None] * 8, [None] * 8)
     s = lab_summary.lab_summary(root, prompts=32, last=2)
     s["reference"] = reference.reference_summary(root, s, base_pass1=0.25)
-    s["v2_ablations"] = reference.ablation_summary(s, base_pass1=0.505)  # seeds 0 and 1 end below it
+    s["v2_ablations"] = reference.ablation_summary(s, base_pass1=0.505, runs_root=root)  # seeds 0 and 1 end below it
     return s
 
 
@@ -85,6 +86,8 @@ def test_ablations_are_paired_with_pacs_and_the_tables_print(summary):
     assert "| 4 | 3 | 0.540 [" in text and "| never | 3 | 0.210 [" in text and "| 3 of 3 |" in text
     assert "| pacs-no-balance | 3 | 0.500 [" in text and "| -0.010 [" in text and text.endswith("| 2 of 3 |")
     assert abl["pass@1"]["mean"] == pytest.approx(0.50) and abl["diverged"] == 2
+    assert abl["grad_norm"]["mean"] == pytest.approx(3e6) and abl["grad_norm_pacs"]["mean"] == pytest.approx(12.0)
+    assert "| 3e+06 (12) |" in text
 
 
 def test_no_reference_entry_without_an_arm(tmp_path):
