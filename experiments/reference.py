@@ -124,6 +124,12 @@ def norm(stat):
     return "–" if stat is None or stat["mean"] is None else f"{stat['mean']:.3g}"
 
 
+def detectable(paired, b, metric):
+    """The paired difference the seeds detect with 80% power at p < 0.05 (lab_summary's paired entries)."""
+    p = next((p for p in paired if p["b"] == b and p["metric"] == metric), None)
+    return "–" if p is None or p.get("detectable_80") is None else f"{p['detectable_80']:.3f}"
+
+
 def diff(paired, b, metric):
     p = next((p for p in paired if p["b"] == b and p["metric"] == metric), None)
     if p is None:
@@ -145,9 +151,10 @@ def tables(summary):
     ref, abl = summary.get("reference"), summary.get("v2_ablations")
     out = []
     if ref:
-        out += ["| reset period K | seeds | test pass@1 | − PACS (K = 1) | − GRPO | − PPO | pass@64 − PACS |",
-                "|---|---:|---:|---:|---:|---:|---:|"]
+        out += ["| reset period K | seeds | test pass@1 | − PACS (K = 1) | detectable | − GRPO | − PPO "
+                "| pass@64 − PACS |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         out += [f"| {period(a)} | {a['seeds']} | {ci(a['pass@1'])} | {diff(a['paired'], 'pacs', 'pass@1')} | "
+                f"{detectable(a['paired'], 'pacs', 'pass@1')} | "
                 f"{diff(a['paired'], 'grpo', 'pass@1')} | {diff(a['paired'], 'ppo', 'pass@1')} | "
                 f"{diff(a['paired'], 'pacs', 'pass@64')} |" for a in ref["arms"]]
         out += ["", "| reset period K | σ(ψ) AUC, run | AUC, first mini-batch | mean \\|ψ\\| "
@@ -158,10 +165,11 @@ def tables(summary):
                 f"{diff(a['paired'], 'pacs', 'final_entropy')} | {a['diverged']} of {a['seeds']} |"
                 for a in ref["arms"]]
     if abl:
-        out += ["", "| v2's ablation | seeds | test pass@1 | − PACS | pass@64 − PACS | final entropy − PACS "
-                "| σ(ψ) AUC | grad norm (PACS's) | below the base |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        out += ["", "| v2's ablation | seeds | test pass@1 | − PACS | detectable | pass@64 − PACS "
+                "| final entropy − PACS | σ(ψ) AUC | grad norm (PACS's) | below the base |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         out += [f"| {a['method']} | {a['seeds']} | {ci(a['pass@1'])} | {diff(a['paired'], 'pacs', 'pass@1')} | "
+                f"{detectable(a['paired'], 'pacs', 'pass@1')} | "
                 f"{diff(a['paired'], 'pacs', 'pass@64')} | {diff(a['paired'], 'pacs', 'final_entropy')} | "
                 f"{ci(a['critic_auc'])} | {norm(a['grad_norm'])} ({norm(a['grad_norm_pacs'])}) | "
                 f"{'–' if a['diverged'] is None else a['diverged']} of {a['seeds']} |" for a in abl]

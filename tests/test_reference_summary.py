@@ -88,6 +88,8 @@ def test_ablations_are_paired_with_pacs_and_the_tables_print(summary):
     assert abl["pass@1"]["mean"] == pytest.approx(0.50) and abl["diverged"] == 2
     assert abl["grad_norm"]["mean"] == pytest.approx(3e6) and abl["grad_norm_pacs"]["mean"] == pytest.approx(12.0)
     assert "| 3e+06 (12) |" in text
+    p = next(p for p in abl["paired"] if p["metric"] == "pass@1")  # the column beside the difference
+    assert f"| {p['mean']:+.3f} [" in text and f") | {p['detectable_80']:.3f} | " in text, p
 
 
 def test_no_reference_entry_without_an_arm(tmp_path):
