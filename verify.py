@@ -77,22 +77,23 @@ _BOX_GAP = re.compile(r"(?:\s|[,;&]|\$|\\[\[\]()]|\\q?quad|\\text\{\s*(?:and|or)
 # after the last box, only a final-answer cue states the answer that box was not (_stated_after_box).
 _FINAL = (r"final answer|réponse finale|respuesta final|resposta final|risposta finale|endantwort|endgültige antwort|"
           r"окончательный ответ|最终答案|最終答案|最終的な答え|최종 답")
-_ANSWER = (r"(?:answer|réponse|respuesta|resposta|risposta)s?|antwort|antwoord|ответ|відповідь|odpowiedź|cevap|jawaban(?:nya)?|"
-           r"đáp án|đáp số|उत्तर|الجواب|الإجابة|答案|答え|解答|答|정답|답")
+_ANSWER = (r"(?:answer|réponse|respuesta|resposta|risposta)s?|antwort|antwoord|ответ|відповідь|odpowiedź|cevap|"
+           r"jawaban(?:nya)?|đáp án|đáp số|उत्तर|الجواب|الإجابة|答案|答え|解答|答|정답|답")
 # A plural cue states every answer: "The answers are 3 and 5." is `3 and 5` (a list), as "the two answers: 7 and 11".
-_COPULA = (r"(?:is|are|est|sont|es|son|é|são|è|sono|ist|sind|lautet|равен|равна|равно|будет|هو|هي|là|adalah)\b|是(?!否)|为|為|は|은|는|—|"
-           r"[:：=]")
+_COPULA = (r"(?:is|are|est|sont|es|son|é|são|è|sono|ist|sind|lautet|равен|равна|равно|будет|هو|هي|là|adalah)\b|"
+           r"是(?!否)|为|為|は|은|는|—|[:：=]")
 _FINAL_NOUN = rf"(?:{_FINAL})(?:[*\s]*(?:{_COPULA})|[*# \t]*\n)"
 _FINAL_CUE = re.compile(_FINAL_NOUN + r"[*\s]*[:：]?", re.I)
 _CUE = re.compile(rf"(?:{_FINAL_NOUN}|(?:{_ANSWER})(?:\s+(?:correct[ae]?|corret[ao]|corrett[ao]))?[*\s]*(?:{_COPULA})"
                   rf"|\b(?:ist|lautet) die (?:end)?antwort\b)[*\s]*[:：]?|####", re.I)
 # What may stand between a cue and its answer ("the answer is therefore 5", "la réponse est donc 5").
-_CONNECTIVE = re.compile(r"(?:(?:therefore|thus|hence|so|then|donc|alors|ainsi|entonces|pues|portanto|então|logo|quindi|"
-                         r"dunque|also|daher|somit|итак|значит)\b[,\s]*)+", re.I)
+_CONNECTIVE = re.compile(r"(?:(?:therefore|thus|hence|so|then|donc|alors|ainsi|entonces|pues|portanto|então|logo|"
+                         r"quindi|dunque|also|daher|somit|итак|значит)\b[,\s]*)+", re.I)
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]")
 # Bounded spans: an unbounded lazy `.+?` rescans the rest of the text from every `\(`.
 # An escaped dollar `\$` neither opens nor closes a span (`$ \frac{3}{4} \$ = \frac{5}{2} $` is one span).
-_SPAN = re.compile(r"(?<!\\)\$\$(.{1,1000}?)(?<!\\)\$\$|(?<!\\)\$((?:\\.|[^$\\]){1,1000}?)\$|\\\((.{1,1000}?)\\\)|\\\[(.{1,1000}?)\\\]",
+_SPAN = re.compile(r"(?<!\\)\$\$(.{1,1000}?)(?<!\\)\$\$|(?<!\\)\$((?:\\.|[^$\\]){1,1000}?)\$|"
+                   r"\\\((.{1,1000}?)\\\)|\\\[(.{1,1000}?)\\\]",
                    re.S)
 # A number glued to a letter on its left is part of a word or a name (`AB2C`, `x2y`, `H2O`,
 # `a_2`), never a final answer; letters only on its right (`5cm`, `3rd`) are a unit or an ordinal.
@@ -103,9 +104,10 @@ _VALUE = re.compile(r"-?\\[dt]?frac(?:\{[^{}]{1,50}\}|\d)(?:\{[^{}]{1,50}\}|\d)|
 # the question's terms; after a cue in prose it is the answer only when no other value is there.
 _DURATION_BEFORE = re.compile(r"(?:\b(?:in|within|over|for|after|during|en|dans|sur|pendant|durant|durante|dentro de|"
                               r"innerhalb von|nach|über|за|через|в течение)\s+|[在用花]\s*)$", re.I)
-_DURATION_AFTER = re.compile(r"\s*(?:(?:months?|days?|weeks?|years?|hours?|minutes?|mois|jours?|semaines?|ans|années?|heures?|"
-                             r"meses|días|dias|semanas|años|anos|horas|minutos|monaten?|tagen?|wochen?|jahren?|stunden?|"
-                             r"месяц\w*|дн\w*|недел\w*|год\w*|лет|час\w*|минут\w*)(?![^\W\d_])|个月|天|周|年|小时|分钟)", re.I)
+_DURATION_AFTER = re.compile(r"\s*(?:(?:months?|days?|weeks?|years?|hours?|minutes?|mois|jours?|semaines?|ans|"
+                             r"années?|heures?|meses|días|dias|semanas|años|anos|horas|minutos|monaten?|"
+                             r"tagen?|wochen?|jahren?|stunden?|месяц\w*|дн\w*|недел\w*|год\w*|лет|час\w*|"
+                             r"минут\w*)(?![^\W\d_])|个月|天|周|年|小时|分钟)", re.I)
 # A relation between a variable and the last number is the answer, not the number alone:
 # `y <= 7`, `t >= -3`, `n != 4`, `-2 <= x < 7` (a chain from a number through the variable).
 _RELATION_BEFORE = re.compile(r"(?:(?<![\w.])-?\d+(?:\.\d+)?\s*(?:<=|<|≤)\s*)?(?<![A-Za-z\\])[a-zA-Z](?:_\{?\w+\}?)?"
@@ -364,7 +366,8 @@ _UNICODE = {"−": "-", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ", "√"
             "°": "", "\u00a0": " "}
 _UNITS = (r"(?:square |sq\.? |cubic )?(?:units?|cm|mm|km|meters?|metres?|inch(?:es)?|in|feet|foot|ft|"
           r"yards?|yd|miles?|mi|kg|grams?|pounds?|lbs?|seconds?|sec|minutes?|min|hours?|hrs?|days?|"
-          r"weeks?|months?|years?|degrees?|deg|radians?|dollars?|cents?|euros?|yen|yuan|rupees?|pesos?|mph|people|students|ways)")
+          r"weeks?|months?|years?|degrees?|deg|radians?|dollars?|cents?|euros?|yen|yuan|rupees?|pesos?|mph|"
+          r"people|students|ways)")
 _ROW = "\ue000"  # stands for `\\` (not whitespace, unlike \x1e)
 _TEXTCMD = r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox|boldsymbol|operatorname)"
 _UNITCMD = r"\\(?:text|textbf|textit|textrm|textnormal|mbox)"
@@ -374,32 +377,35 @@ _UNITCMD = r"\\(?:text|textbf|textit|textrm|textnormal|mbox)"
 _COUNTS = (r"(?:hundred|thousand|million|billion|trillion|dozen|halves|thirds|quarters|fourths|fifths|sixths|sevenths|"
            r"eighths|ninths|tenths)(?:th|ths|s)?\b")
 # ... in the other languages of the answer cues: never dropped as a unit or counted object either.
-_COUNTS_ABROAD = (r"(?i:(?:mil|mille|milles|mila|mill[oó]n(?:es)?|millions?|millionen|milione|milioni|milh[ãa]o|milh[õo]es|milhares?|"
-                  r"milliards?|milliarden?|miliardo|miliardi|hundert|tausend|cent|centaines?|dizaines?|douzaines?|docenas?|"
-                  r"dutzend|dozzin[ae]|centenas?|decenas?|demis?|tiers|quarts?|\w+i[eè]mes?|medios?|tercios?|cuartos?|quintos?|"
-                  r"sextos?|s[eé]ptimos?|octavos?|novenos?|d[eé]cimos?|cent[eé]simos?|mil[eé]simos?|\w+avos?|ter[çc]os?|mezzi?|"
-                  r"terzi?|quarti?|sesti?|settimi?|ottavi?|noni?|decimi?|centesimi?|millesimi?|halbe[n]?|\w+tel|fois|veces|vezes|volte|"
-                  r"mal|тысяч\w*|миллион\w*|миллиард\w*|сот\w*|десят\w*|дюжин\w*|половин\w*|трет\w*|четверт\w*|пят\w*|"
-                  r"шест\w*|седьм\w*|восьм\w*|девят\w*|раз|हज़ार|हजार|लाख|करोड़|सौ|ألف|آلاف|مليون|ملايين|مليار|مئة|مائة)(?![^\W\d_]))")
+_COUNTS_ABROAD = (r"(?i:(?:mil|mille|milles|mila|mill[oó]n(?:es)?|millions?|millionen|milione|milioni|milh[ãa]o|"
+                  r"milh[õo]es|milhares?|milliards?|milliarden?|miliardo|miliardi|hundert|tausend|cent|centaines?|"
+                  r"dizaines?|douzaines?|docenas?|dutzend|dozzin[ae]|centenas?|decenas?|demis?|tiers|quarts?|"
+                  r"\w+i[eè]mes?|medios?|tercios?|cuartos?|quintos?|sextos?|s[eé]ptimos?|octavos?|novenos?|"
+                  r"d[eé]cimos?|cent[eé]simos?|mil[eé]simos?|\w+avos?|ter[çc]os?|mezzi?|terzi?|quarti?|sesti?|"
+                  r"settimi?|ottavi?|noni?|decimi?|centesimi?|millesimi?|halbe[n]?|\w+tel|fois|veces|vezes|volte|mal|"
+                  r"тысяч\w*|миллион\w*|миллиард\w*|сот\w*|десят\w*|дюжин\w*|половин\w*|трет\w*|четверт\w*|пят\w*|"
+                  r"шест\w*|седьм\w*|восьм\w*|девят\w*|раз|हज़ार|हजार|लाख|करोड़|सौ|"
+                  r"ألف|آلاف|مليون|ملايين|مليار|مئة|مائة)(?![^\W\d_]))")
 # A unit or counted object after a number, in any script (`12 Äpfel`, `150 рублей`, `42 दिन`); CJK counters
 # and units (`5 个`, `3 千克`, `7 円`), never a CJK scale (`5万` is 50000, `3 千` is 3000, `2倍` twice).
 _WORD_ABROAD = r"(?=[^\s]*[^\x00-\x7f])(?:[^\W\d_]|[\u0300-\u036f\u0900-\u097f\u0600-\u06ff]){3,}"
 _CJK_UNIT = r"(?![十百万萬亿億兆倍半만억천백십]|千(?![克米瓦])|分之)[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]+"
 _PERCENT = r"(?:percent|pct|prozent|pour ?cent|por ?ciento|per ?cento|por ?cento|процент\w*|प्रतिशत)"
 _PERCENT_WORD = re.compile(r"(?<=[\d}])\s*" + _PERCENT + r"(?![^\W\d_])", re.I)
-_UNIT_TEXT = re.compile(r"^(.*?[^\s,])\s*" + _UNITCMD + r"\{(?!\s*(?:" + _COUNTS + "|" + _COUNTS_ABROAD + "|" + _PERCENT + r"))[^{}\d]*\}"
-                        r"(?:\^\{?\d\}?)?\s*\.?$")
-_OBJECT = re.compile(r"^([-+]?[\d.]+)\s+(?!(?:sin|cos|tan|log|ln|exp|not|maybe|one|two|three|four|five|six|seven|eight|nine|"
-                     r"ten)\b|" + _COUNTS + r"|" + _COUNTS_ABROAD + r")[A-Za-z]{3,}$")
-_OBJECT_ABROAD = re.compile(r"^([-+]?\d+(?:\.\d+)?|\\frac\{\d+\}\{\d+\})\s*(?:(?<=\s)(?!" + _COUNTS_ABROAD + ")" + _WORD_ABROAD + "|"
-                            + _CJK_UNIT + r")$")
+_UNIT_TEXT = re.compile(r"^(.*?[^\s,])\s*" + _UNITCMD + r"\{(?!\s*(?:" + _COUNTS + "|" + _COUNTS_ABROAD + "|"
+                        + _PERCENT + r"))[^{}\d]*\}(?:\^\{?\d\}?)?\s*\.?$")
+_OBJECT = re.compile(r"^([-+]?[\d.]+)\s+(?!(?:sin|cos|tan|log|ln|exp|not|maybe|one|two|three|four|five|six|seven|"
+                     r"eight|nine|ten)\b|" + _COUNTS + r"|" + _COUNTS_ABROAD + r")[A-Za-z]{3,}$")
+_OBJECT_ABROAD = re.compile(r"^([-+]?\d+(?:\.\d+)?|\\frac\{\d+\}\{\d+\})\s*(?:(?<=\s)(?!" + _COUNTS_ABROAD + ")"
+                            + _WORD_ABROAD + "|" + _CJK_UNIT + r")$")
 # What may follow the value a clause of prose states and stays with it (`150 тысяч`, `5万`, `35 por ciento`).
 _SCALE_AFTER = re.compile(r"\s*(?:[十百万萬亿億兆倍]|千(?![克米瓦])|" + _PERCENT + r"|[^\W\d_]+)", re.I)
 _SCALE_WORD = re.compile(r"\s*(?:[十百千万萬亿億兆倍]|" + _COUNTS + "|" + _COUNTS_ABROAD + "|" + _PERCENT + ")", re.I)
 _SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
-_SCALED = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*(" + _UNITCMD + r"\s*\{\s*)?(hundred|thousand|million|billion|trillion)(?![a-zA-Z])")
-_SMALL = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
-                                     "fifteen sixteen seventeen eighteen nineteen".split())}
+_SCALED = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*(" + _UNITCMD + r"\s*\{\s*)?"
+                     r"(hundred|thousand|million|billion|trillion)(?![a-zA-Z])")
+_SMALL = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+                                     "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
 _TENS = {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
 
 
@@ -455,10 +461,12 @@ def _normalize(s: str) -> str:
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])", "", s)
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "%").replace("**", "^")
     s = re.sub(r"\\[()\[\]]", " ", s)  # math delimiters inside a box: `\boxed{4 \) and \( 5}`
-    s = re.sub(r"[€£¥₹₽₩]|\\(?:euro|pounds|yen|textdollar|texteuro|textsterling|textyen)(?![a-zA-Z])", "", s)  # like `$`
+    # currency signs, like `$`
+    s = re.sub(r"[€£¥₹₽₩]|\\(?:euro|pounds|yen|textdollar|texteuro|textsterling|textyen)(?![a-zA-Z])", "", s)
     # Answers joined by words are solutions, separated like groups (`x = 1 \text{ or } x = 2`,
     # `x=1, y=2 \text{ or } x=2, y=1`, `6, 8, and 10`); see _parse.
-    s = re.sub(r"\s*,?\s*(?:\\text\{\s*,?\s*(?:and|or)\s*\}|\\(?:lor|vee)(?![a-zA-Z]))\s*|\s*,?\s+(?:and|or|et|ou|und|oder|и|или)\s+"
+    s = re.sub(r"\s*,?\s*(?:\\text\{\s*,?\s*(?:and|or)\s*\}|\\(?:lor|vee)(?![a-zA-Z]))\s*"
+               r"|\s*,?\s+(?:and|or|et|ou|und|oder|и|или)\s+"
                r"|(?<=[)\]])\s*(?:and|or)\s*(?=[(\[])|(?<=[\d)\]}])\s*(?:和|或者|或|と|또는)\s*(?=[-\d(\[\\])", ";", s)
     # ... also glued between tuples (`(2,9)or(9,2)`) and in the other languages of the cues (`2 et 9`, `3 和 5`)
     s = re.sub(r"\s*;[\s;]*", ";", s)  # `x = 1 \quad\text{and}\quad x = 2` is one separator
@@ -526,7 +534,8 @@ def _split_top(s: str, sep: str) -> list[str]:
             depth += 1
         elif c in _CLOSE:
             depth -= 1
-        elif depth == 0 and s.startswith(sep, i) and not (sep[-1].isalpha() and s[i + len(sep) : i + len(sep) + 1].isalpha()):
+        elif depth == 0 and s.startswith(sep, i) and not (sep[-1].isalpha()
+                                                          and s[i + len(sep) : i + len(sep) + 1].isalpha()):
             parts.append(s[last:i])
             last = i + len(sep)
             i = last
@@ -554,8 +563,10 @@ def _is_name(s: str) -> bool:
 
 
 _PTS = r"(?:[A-Z]'*)"  # a point of a figure: `A`, `B'`
-_LABEL = re.compile(r"\|(" + _PTS + r"{2,4})\||\\overline\{(" + _PTS + r"{2,4})\}|(" + _PTS + r"{2,4})|"  # |PQ|, \overline{PQ}, PQ
-                    r"m?\\(?:angle|measuredangle) ?\{?(" + _PTS + r"{1,3})\}?|\[(" + _PTS + r"{3,6})\]")  # \angle ABC, [ABC]
+_LABEL = re.compile(r"\|(" + _PTS + r"{2,4})\||\\overline\{(" + _PTS + r"{2,4})\}|"  # |PQ|, \overline{PQ}
+                    r"(" + _PTS + r"{2,4})|"  # PQ
+                    r"m?\\(?:angle|measuredangle) ?\{?(" + _PTS + r"{1,3})\}?|"  # \angle ABC
+                    r"\[(" + _PTS + r"{3,6})\]")  # [ABC]
 
 
 def _label(s: str):
@@ -628,7 +639,8 @@ def _relation(s: str):
         # own symbols; `x = 2x - 3` is an equation, and so is `AB = CD` (a figure's parts).
         for name, values in ((exprs[0], exprs[1:]), (exprs[-1], exprs[:-1]) if len(exprs) == 2 else (None, None)):
             label = _label(name) if name is not None else None
-            if label is not None and not _is_name(name) and any(re.search(r"[A-Z]", re.sub(r"\\[a-zA-Z]+", "", v)) for v in values):
+            if label is not None and not _is_name(name) and any(re.search(r"[A-Z]", re.sub(r"\\[a-zA-Z]+", "", v))
+                                                                for v in values):
                 continue
             if label is not None and not any(_symbols(name) & _symbols(v) for v in values):
                 value = _parse(values[-1])
@@ -771,7 +783,8 @@ def _matrix_expr(s: str):
             m = mats[int(b[1:])]
             if prod is not None and len(prod[0]) != len(m):
                 return None
-            prod = m if prod is None else [[_add_all([_mul(r[t], m[t][j]) for t in range(len(m))]) for j in range(len(m[0]))] for r in prod]
+            prod = m if prod is None else [[_add_all([_mul(r[t], m[t][j]) for t in range(len(m))])
+                                            for j in range(len(m[0]))] for r in prod]
         if prod is None:
             return None
         factor = _entry(scalar) if scalar else Fraction(1)
@@ -844,7 +857,8 @@ def _parse(s: str):
     parts = _split_top(s, ":")
     if 1 < len(parts) <= MAX_ITEMS and all(p.strip() and _is_constant(p) for p in parts):
         return ("ratio", [p.strip() for p in parts])  # `5 : 12` (not a time `8:34 p.m.`)
-    if len(_MATRIX.findall(s)) > 1 or _MATRIX.search(s) and not re.fullmatch(r"[(\[]?\s*" + _MATRIX.pattern + r"\s*[)\]]?", s, re.S):
+    if len(_MATRIX.findall(s)) > 1 or (_MATRIX.search(s)
+                                       and not re.fullmatch(r"[(\[]?\s*" + _MATRIX.pattern + r"\s*[)\]]?", s, re.S)):
         return _matrix_expr(s) or ("leaf", s)
     m = re.fullmatch(r"[(\[]?\s*\\begin\{([pbBvV]?matrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}\s*[)\]]?", s, re.S)
     if m:
@@ -946,7 +960,8 @@ _FUNCS = {"sin": "sin", "cos": "cos", "tan": "tan", "cot": "cot", "sec": "sec", 
 _GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi "
              "rho sigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split())
 _WRAPPERS = {"mathrm", "mathbf", "mathit", "text", "boldsymbol", "operatorname", "mbox", "textbf"}
-_ATOM_CMDS = {"frac", "sqrt", "binom", "pi", "infty", "lfloor", "lceil", "sum", "prod"} | set(_FUNCS) | _GREEK | _WRAPPERS
+_ATOM_CMDS = ({"frac", "sqrt", "binom", "pi", "infty", "lfloor", "lceil", "sum", "prod"}
+              | set(_FUNCS) | _GREEK | _WRAPPERS)
 MAX_EXPONENT = 10_000  # |numeric exponent| allowed
 MAX_DIGITS = 100_000  # rough bound on the digits of any constant sub-expression
 
@@ -987,7 +1002,8 @@ class _Tex:
         while self.peek() in ("+", "-"):
             op = self.take()
             b = self.term()
-            a = (f"{a[0]}{op}{b[0]}", _grow(a[1], b[1]), _num(a[2], b[2], (lambda x, y: x + y) if op == "+" else (lambda x, y: x - y)))
+            a = (f"{a[0]}{op}{b[0]}", _grow(a[1], b[1]),
+                 _num(a[2], b[2], (lambda x, y: x + y) if op == "+" else (lambda x, y: x - y)))
         return a
 
     def term(self, arg: bool = False):
@@ -1036,7 +1052,8 @@ class _Tex:
             elif a[2] is not None and not (a[2] == int(a[2]) and 0 <= a[2] <= 1000):
                 raise _Refuse("factorial")
             else:
-                a = (f"factorial({a[0]})", None if a[2] is None else 3000, None if a[2] is None else math.gamma(min(a[2], 170) + 1))
+                a = (f"factorial({a[0]})", None if a[2] is None else 3000,
+                     None if a[2] is None else math.gamma(min(a[2], 170) + 1))
         return a
 
     def single(self):
@@ -1192,7 +1209,8 @@ def _tex_bigop(p: _Tex, name: str):
     return (f"{'Sum' if name == 'sum' else 'Product'}({body[0]},(Symbol('{index}'),{lo[0]},{hi[0]}))", None, None)
 
 
-_TEX_COMMANDS = {"frac": _tex_frac, "sqrt": _tex_sqrt, "binom": _tex_binom, "pi": _tex_constant, "infty": _tex_constant,
+_TEX_COMMANDS = {"frac": _tex_frac, "sqrt": _tex_sqrt, "binom": _tex_binom,
+                 "pi": _tex_constant, "infty": _tex_constant,
                  "lfloor": _tex_floor, "lceil": _tex_floor, "sum": _tex_bigop, "prod": _tex_bigop}
 
 
@@ -1358,7 +1376,8 @@ def _solutions_equal(a, g, ctx) -> bool:
 
 def _clock(parts: list) -> bool:
     """`9:24`, `4:30:05`: hours then two-digit minutes (and seconds) under 60."""
-    return bool(re.fullmatch(r"\d{1,2}", parts[0])) and all(re.fullmatch(r"[0-5]\d", p) for p in parts[1:3]) and len(parts) <= 3
+    return (bool(re.fullmatch(r"\d{1,2}", parts[0])) and all(re.fullmatch(r"[0-5]\d", p) for p in parts[1:3])
+            and len(parts) <= 3)
 
 
 def _ratio_equal(r, o, ctx) -> bool:
@@ -1374,7 +1393,8 @@ def _ratio_equal(r, o, ctx) -> bool:
             if 0 in vals or _clock(r[1]) or _clock(o[1]):
                 return vals[: len(r[1])] == vals[len(r[1]) :]
             return all(x / vals[0] == y / vals[len(r[1])] for x, y in zip(vals[1 : len(r[1])], vals[len(r[1]) + 1 :]))
-        return all(_leaf_equal(f"\\frac{{{x}}}{{{r[1][0]}}}", f"\\frac{{{y}}}{{{o[1][0]}}}", ctx) for x, y in zip(r[1][1:], o[1][1:]))
+        return all(_leaf_equal(f"\\frac{{{x}}}{{{r[1][0]}}}", f"\\frac{{{y}}}{{{o[1][0]}}}", ctx)
+                   for x, y in zip(r[1][1:], o[1][1:]))
     if o[0] == "leaf" and len(r[1]) == 2:
         x, y = r[1]
         nx, ny = _number(_squash(x)), _number(_squash(y))
@@ -1410,7 +1430,8 @@ def _equal(a, b, ctx) -> bool:
         if a[2] != b[2] or len(a[1]) != len(b[1]):
             return False
         mode = "eq" if a[2] == ["\\ne"] else "rel"
-        return all(_sympy_equal(mode, f"{a[1][i + 1]}-({a[1][i]})", f"{b[1][i + 1]}-({b[1][i]})", ctx) for i in range(len(a[2])))
+        return all(_sympy_equal(mode, f"{a[1][i + 1]}-({a[1][i]})", f"{b[1][i + 1]}-({b[1][i]})", ctx)
+                   for i in range(len(a[2])))
     if ka == "set" and len(a[1]) == 1:
         return _equal(a[1][0], b, ctx)
     if kb == "set" and len(b[1]) == 1:
@@ -1428,7 +1449,8 @@ def _equal(a, b, ctx) -> bool:
         return all(_equal(x, y, ctx) for x, y in zip(a[3], b[3]))
     if {ka, kb} == {"seq", "set"}:  # `(1, 2)` answered as `1, 2`: compared in order
         s, q = (a, b) if ka == "set" else (b, a)
-        return s[2] in (True, "or") and q[1] == "(" and len(s[1]) == len(q[3]) and all(_equal(x, y, ctx) for x, y in zip(s[1], q[3]))
+        return (s[2] in (True, "or") and q[1] == "(" and len(s[1]) == len(q[3])
+                and all(_equal(x, y, ctx) for x, y in zip(s[1], q[3])))
     if ka == "set" and kb == "set":  # sets and lists of solutions are unordered
         return _unordered(a[1], b[1], ctx)
     if ka == "matrix" and kb == "matrix":
@@ -1440,7 +1462,8 @@ def _equal(a, b, ctx) -> bool:
     if {ka, kb} == {"matrix", "seq"}:  # a column vector written as a tuple
         m, q = (a, b) if ka == "matrix" else (b, a)
         flat = [r[0] for r in m[1] if len(r) == 1]
-        return q[1] == "(" and len(flat) == len(m[1]) == len(q[3]) and all(_equal(x, y, ctx) for x, y in zip(flat, q[3]))
+        return (q[1] == "(" and len(flat) == len(m[1]) == len(q[3])
+                and all(_equal(x, y, ctx) for x, y in zip(flat, q[3])))
     return False
 
 
@@ -1600,7 +1623,8 @@ def _worker_compare(mode: str, ca: str, cb: str, approx: bool, ns: dict) -> bool
         if not mpmath.isfinite(z):
             return None, False, False
         full = [p.is_Float and p._prec >= min(100, 3 * digits) for p in parts]
-        resolved = all(f or p == 0 or abs(mpmath.mpf(sympy.Float(p, 50)._mpf_)) <= tiny * abs(z) for f, p in zip(full, parts))
+        resolved = all(f or p == 0 or abs(mpmath.mpf(sympy.Float(p, 50)._mpf_)) <= tiny * abs(z)
+                       for f, p in zip(full, parts))
         return z, resolved, any(f and p != 0 for f, p in zip(full, parts))
 
     with mpmath.workdps(60):
@@ -1799,7 +1823,8 @@ def _main(argv: list[str]) -> int:
         secs = time.perf_counter() - start
         n = labelled or len(rows)
         name = "accuracy" if labelled else "verified"
-        print(f"{name}: {right}/{n} = {right / max(n, 1):.4f}" + (f"  false positives: {fp}  false negatives: {fn}" if labelled else ""))
+        print(f"{name}: {right}/{n} = {right / max(n, 1):.4f}"
+              + (f"  false positives: {fp}  false negatives: {fn}" if labelled else ""))
         print(f"throughput: {len(rows) / secs:.0f} responses/s ({len(rows)} in {secs:.2f} s)")
         return 0
     if args.response is None or args.gold is None:

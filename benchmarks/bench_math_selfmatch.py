@@ -60,8 +60,10 @@ def exact_value(s):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data"), help="folder with math500.jsonl and math_train.jsonl")
-    p.add_argument("--shift", type=int, nargs="+", default=[1], help="cross-check pairs solution i with answer i+shift (each shift given)")
+    p.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data"),
+                   help="folder with math500.jsonl and math_train.jsonl")
+    p.add_argument("--shift", type=int, nargs="+", default=[1],
+                   help="cross-check pairs solution i with answer i+shift (each shift given)")
     p.add_argument("--show", action="store_true", help="list the self-match misses")
     args = p.parse_args()
     sys.path.insert(0, ROOT)
@@ -108,7 +110,8 @@ def cross_check(verify, rows, shift):
             kinds["review"].append((r, other))
     total = sum(map(len, kinds.values()))
     print(f"cross-check (shift {shift}): {total}/{n} accepts: {len(kinds['same'])} same gold, "
-          f"{len(kinds['equal'])} equal numbers, {len(kinds['percent'])} percent convention, {len(kinds['review'])} to review")
+          f"{len(kinds['equal'])} equal numbers, {len(kinds['percent'])} percent convention, "
+          f"{len(kinds['review'])} to review")
     for kind in ("equal", "percent", "review"):
         for r, other in kinds[kind]:
             print(f"  {kind} {r['id']} vs {other['id']}: own={r['answer']!r} other={other['answer']!r} "

@@ -206,7 +206,8 @@ def lab(path, device_name, extra):
         tmp = f"{path}.{arm}.tmp"
         env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if arm == "cpu_1_core" else {})}
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "lab_step.py"), "--lab",
-                               os.path.join(ROOT, "experiments", "labs", "lab", "base"), *args, *extra, "--json", tmp], env=env)
+                               os.path.join(ROOT, "experiments", "labs", "lab", "base"), *args, *extra, "--json", tmp],
+                              env=env)
         if proc.returncode or not os.path.isfile(tmp):
             result[arm] = {"error": f"lab_step.py exited {proc.returncode}"}
             continue

@@ -1,8 +1,11 @@
 """Wall time of one pacs.py training step on the lab (experiments/lab.py), phase by phase, on one CPU thread.
 
-    OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab experiments/labs/lab/base --micro-batch-size 64   # the shipped base
-    OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab experiments/labs/lab/base --profile   # cProfile of one step
-    python benchmarks/lab_step.py --lab experiments/labs/lab/base --device cuda --json lab.json   # the same step on a GPU
+    # the shipped base:
+    OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab experiments/labs/lab/base --micro-batch-size 64
+    # cProfile of one step:
+    OMP_NUM_THREADS=1 python benchmarks/lab_step.py --lab experiments/labs/lab/base --profile
+    # the same step on a GPU:
+    python benchmarks/lab_step.py --lab experiments/labs/lab/base --device cuda --json lab.json
 
 Runs pacs.train_step (the trainer's own step: sample, verify, pi_old log-probs, M AdamW updates) at 32 prompts
 x G = 8, M = 4 by default, after --warmup untimed steps, and prints the mean and min over --steps timed steps of
@@ -31,7 +34,8 @@ PHASES = ("time_generate", "time_verify", "time_old_logprobs", "time_update", "s
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lab", required=True, help="a directory experiments/lab.py built (experiments/labs/lab/base: the shipped one)")
+    p.add_argument("--lab", required=True,
+                   help="a directory experiments/lab.py built (experiments/labs/lab/base: the shipped one)")
     p.add_argument("--algo", default="pacs", choices=["pacs", "grpo", "ppo", "reinforce"])
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)

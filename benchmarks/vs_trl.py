@@ -350,7 +350,8 @@ def report(s):
     print(f"median step s   {p['step_time_s']:10.3f} {t['step_time_s']:10.3f} "
           f"{p['step_time_s'] / t['step_time_s']:10.3f}")
     print(f"samples/s       {p['samples_per_s']:10.3f} {t['samples_per_s']:10.3f} {s['speed_ratio']:10.3f}")
-    print(f"gen tokens/s    {p['gen_tokens_per_s']:10.1f} {t['gen_tokens_per_s']:10.1f} {s['tokens_per_s_ratio']:10.3f}"
+    print(f"gen tokens/s    {p['gen_tokens_per_s']:10.1f} {t['gen_tokens_per_s']:10.1f} "
+          f"{s['tokens_per_s_ratio']:10.3f}"
           f"   ({p['gen_tokens_per_step']:.0f} vs {t['gen_tokens_per_step']:.0f} tokens/step)")
     print(f"peak RSS GB     {p['peak_rss_gb']:10.3f} {t['peak_rss_gb']:10.3f} {s['rss_ratio']:10.3f}")
     print(f"RSS after load  {p['rss_after_load_gb']:10.3f} {t['rss_after_load_gb']:10.3f}")

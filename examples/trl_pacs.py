@@ -125,7 +125,8 @@ def check_pacs_config(cfg):
                "entropy_coef": cfg.entropy_coef != 0.0, "use_liger_kernel": cfg.use_liger_kernel}
     for name, is_set in ignored.items():
         if is_set:
-            raise ValueError(f"{name} belongs to TRL's GRPO loss and the PACS loss ignores it: leave it at its default")
+            raise ValueError(f"{name} belongs to TRL's GRPO loss and the PACS loss ignores it: "
+                             "leave it at its default")
 
 
 def shuffle_groups(batch, group_size):
@@ -300,7 +301,8 @@ def metrics_logger(path):
                   f"len {g('completions/mean_length', float('nan')):.1f} | "
                   f"trunc {g('completions/clipped_ratio', float('nan')):.2f} | ent {g('entropy', float('nan')):.3f} | "
                   f"psi {g('pacs/psi_mean', float('nan')):+.3f}±{g('pacs/psi_std', float('nan')):.3f} "
-                  f"sigma {g('pacs/sigma_psi', float('nan')):.3f} | critic auc {g('pacs/critic_auc', float('nan')):.2f} | "
+                  f"sigma {g('pacs/sigma_psi', float('nan')):.3f} | "
+                  f"critic auc {g('pacs/critic_auc', float('nan')):.2f} | "
                   f"{dt:.1f}s", flush=True)
 
     return MetricsLogger()

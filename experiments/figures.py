@@ -296,12 +296,14 @@ def plot_critic_parts(summaries, path, metric="pass@1"):
 
 
 def main(argv=None):
-    """python experiments/figures.py critic experiments/labs/lab/summary.json experiments/labs/lab2/summary.json --out experiments/critic_parts.png"""
+    """python experiments/figures.py critic experiments/labs/lab/summary.json experiments/labs/lab2/summary.json
+           --out experiments/critic_parts.png"""
     import argparse
     import json
     p = argparse.ArgumentParser(description="figures from the labs' summary.json files")
     p.add_argument("what", choices=["critic"], help="critic: the controls' decomposition and the AUC's axis")
-    p.add_argument("summaries", nargs="+", help="summary.json files, experiments/labs/<tag>/summary.json (labelled by <tag>)")
+    p.add_argument("summaries", nargs="+",
+                   help="summary.json files, experiments/labs/<tag>/summary.json (labelled by <tag>)")
     p.add_argument("--out", required=True, help="the figure's path (.png)")
     args = p.parse_args(argv)
     summaries = {}

@@ -53,8 +53,9 @@ SHIPPED = os.path.join(ROOT, "experiments", "labs", "lab", "base")
 
 
 def shipped_bases(tag_dir):
-    """A lab's shipped bases, experiments/labs/<tag>/base first, then experiments/labs/<tag>/bases/seed<N> in seed order: the same recipe
-    (lab.py with the first base's settings) at other seeds, each a model, lab.json and sft_log.jsonl as the first."""
+    """A lab's shipped bases, experiments/labs/<tag>/base first, then experiments/labs/<tag>/bases/seed<N> in seed
+    order: the same recipe (lab.py with the first base's settings) at other seeds, each a model, lab.json and
+    sft_log.jsonl as the first."""
     more = os.path.join(tag_dir, "bases")
     seeds = sorted((int(d[4:]) for d in os.listdir(more) if d.startswith("seed") and d[4:].isdigit()
                     and os.path.isfile(os.path.join(more, d, "lab.json"))) if os.path.isdir(more) else [])
@@ -62,8 +63,9 @@ def shipped_bases(tag_dir):
 
 
 def results_root(lab_dir):
-    """Where a lab's result files live: experiments/labs/<tag>/results/ for a lab's first base (experiments/labs/<tag>/base), <lab_dir>/results/
-    for any other (experiments/labs/<tag>/bases/seed<N>, or a lab built elsewhere)."""
+    """Where a lab's result files live: experiments/labs/<tag>/results/ for a lab's first base
+    (experiments/labs/<tag>/base), <lab_dir>/results/ for any other (experiments/labs/<tag>/bases/seed<N>, or a lab
+    built elsewhere)."""
     lab_dir = os.path.abspath(lab_dir)
     if os.path.basename(lab_dir) == "base":
         return os.path.join(os.path.dirname(lab_dir), "results")
@@ -72,7 +74,8 @@ def results_root(lab_dir):
 
 def run_tag(lab_dir):
     """The name of a lab's run dirs, experiments/out_<tag>/: <tag> for experiments/labs/<tag>/base, <tag>-seed<N> for
-    experiments/labs/<tag>/bases/seed<N> (two labs' seed<N> bases apart), the directory's name for a lab built elsewhere."""
+    experiments/labs/<tag>/bases/seed<N> (two labs' seed<N> bases apart), the directory's name for a lab built
+    elsewhere."""
     lab_dir = os.path.abspath(lab_dir)
     parent = os.path.dirname(lab_dir)
     if os.path.basename(lab_dir) == "base":

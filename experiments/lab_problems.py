@@ -18,7 +18,8 @@ With --table, the counts are read back instead: pass@1 and pass@n per method (me
 seed of the base model) on the test problems of each chain length (a lab solution writes one line per operation),
 printed as a markdown table:
 
-    python experiments/lab_problems.py --table experiments/labs/lab2/base/test.jsonl --into experiments/labs/lab2/results/problems-test-p32
+    python experiments/lab_problems.py --table experiments/labs/lab2/base/test.jsonl \\
+        --into experiments/labs/lab2/results/problems-test-p32
 """
 import argparse
 import glob
@@ -146,7 +147,8 @@ def print_table(table):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("run_parents", nargs="*", help="sweep --out directories holding <method>-s<seed>/ and eval_base/")
-    p.add_argument("--into", required=True, help="where the counts go, e.g. experiments/labs/lab2/results/problems-test-p32")
+    p.add_argument("--into", required=True,
+                   help="where the counts go, e.g. experiments/labs/lab2/results/problems-test-p32")
     p.add_argument("--results", help="only runs with a result file here (the sweep's --results), e.g. "
                                      "experiments/labs/lab2/results/test-p32")
     p.add_argument("--table", metavar="TEST_JSONL", help="read the counts in --into back instead: pass@1 and pass@n "

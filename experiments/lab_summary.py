@@ -1,5 +1,5 @@
-"""The lab's results from its committed result files alone (experiments/labs/lab/results/<split>-p<prompts>[-lr<lr>]/): the
-learning-rate scan's table and choice (scan.json) and the summary of the sweep and its axes (summary.json, in a
+"""A lab's results from its committed result files alone (experiments/labs/<tag>/results/<split>-p<prompts>[-lr<lr>]/):
+the learning-rate scan's table and choice (scan.json) and the summary of the sweep and its axes (summary.json, in a
 fixed schema tested in tests/test_trend.py).
 """
 import json
@@ -35,7 +35,7 @@ def step_rows(result):
 
 
 def lab_summary(runs_root, prompts=32, last=10):
-    """experiments/labs/lab/summary.json's content from the result files under runs_root: settings (the schedule, each method's
+    """A lab's summary.json content from the result files under runs_root: settings (the schedule, each method's
     lr and pacs.py flags, the seeds), runs (every method at `prompts` prompts per step: pass@1, pass@64, the final
     reward and entropy as means of the last `last` steps, the pooled critic AUC, the boxed-expression share), axis
     (pacs and pacs-critic-off at every prompts per step swept: prompts per mini-batch, critic AUC, pass@1) and

@@ -3,8 +3,8 @@ metrics experiments/stability.md defines (fixed before their numbers), summary.j
 entries, and the whole summary.json recomputed without a figure (summary_json: what trend.py --summary-json
 writes, and what tests/test_regenerate.py checks every committed summary against).
 
-    python experiments/stability.py --table experiments/labs/lab          # the tables of experiments/stability.md, from summary.json
-    python experiments/stability.py --figure experiments/stability_lr.png experiments/labs/lab experiments/labs/lab2   # pass@1 against lr
+    python experiments/stability.py --table experiments/labs/lab    # the tables of experiments/stability.md
+    python experiments/stability.py --figure experiments/stability_lr.png experiments/labs/lab experiments/labs/lab2
 
 Per run (a result file's per-step metrics, T = 150 rollout steps): the drawdown of the smoothed training reward,
 the gradient norm's largest spike, whether the run ends below the base model, the mean training reward, the
@@ -343,7 +343,7 @@ def summary_json(runs_root, lab_dir="", prompts=32, last=10, results_name=""):
     window = critic_window(runs_root)
     if window:  # the critic at every prompts per mini-batch, over the same first rollouts (axis-p*/)
         summary["critic_window"] = window
-    if lab_dir and os.path.basename(os.path.abspath(lab_dir)) == "base":  # the lab's other bases (experiments/labs/<tag>/bases/)
+    if lab_dir and os.path.basename(os.path.abspath(lab_dir)) == "base":  # other bases: labs/<tag>/bases/
         over = bases_summary(os.path.dirname(os.path.abspath(lab_dir)), summary, prompts, last)
         if over:
             summary["bases"] = over
@@ -389,8 +389,8 @@ def tables(summary):
         out += ["| method | chosen | " + " | ".join(f"{float(lr):g}" for lr in lrs) + " | loss at 2× | at ½× |",
                 "|---|---:|" + "---:|" * len(lrs) + "---:|---:|"]
         for m, e in st["lr"]["methods"].items():
-            cells = [f"{np.mean(list(e['pass@1'][lr].values())):.3f} ({e['share'][lr]:.2f})" if lr in e["share"] else ""
-                     for lr in lrs]
+            cells = [f"{np.mean(list(e['pass@1'][lr].values())):.3f} ({e['share'][lr]:.2f})"
+                     if lr in e["share"] else "" for lr in lrs]
             fmt = lambda v: "" if v is None else f"{v:+.3f}"
             out.append(f"| {m} | {e['chosen']:g} | " + " | ".join(cells) + f" | {fmt(e['loss_2x'])} | "
                        f"{fmt(e['loss_half'])} |")
@@ -433,7 +433,8 @@ def tables(summary):
         out.append(f"| {m} | {ptext} | {np.mean([r['mean_reward'] for r in rs]):.3f} | "
                    f"{np.median(samples) if samples else float('nan'):,.0f} | "
                    f"{np.median([r['median_step_time'] for r in rs]):.3f} |")
-    out += ["", "| PACS − | mean training reward | samples to half the gain | step time, ratio |", "|---|---:|---:|---:|"]
+    out += ["", "| PACS − | mean training reward | samples to half the gain | step time, ratio |",
+            "|---|---:|---:|---:|"]
     for a, b in dict.fromkeys((p["a"], p["b"]) for p in ef["paired"]):
         get = lambda metric: next((p for p in ef["paired"] if p["b"] == b and p["metric"] == metric), None)
         mr, sh, tm = get("mean_reward"), get("samples_to_half_gain"), get("log_step_time")
@@ -489,8 +490,8 @@ def plot_lr(labs, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--table", metavar="LAB_DOCS", help="print the tables of experiments/stability.md for the lab whose "
-                   "summary.json is in LAB_DOCS (e.g. experiments/labs/lab)")
+    p.add_argument("--table", metavar="LAB_DOCS", help="print the tables of experiments/stability.md for the lab "
+                   "whose summary.json is in LAB_DOCS (e.g. experiments/labs/lab)")
     p.add_argument("--figure", nargs="+", metavar=("PATH", "LAB_DOCS"), help="PATH, then each lab's docs dir: "
                    "validation pass@1 against lr, a panel per lab")
     args = p.parse_args(argv)

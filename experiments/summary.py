@@ -143,8 +143,8 @@ def write_summary(args, runs, missing, stats, base):
             b, t = c["mean_ci95_bootstrap"], c["mean_ci95_t"]
             ci = lambda s: "-" if math.isnan(s[1]) else f"[{s[1]:+.3f}, {s[2]:+.3f}]"
             det = "-" if math.isnan(c["detectable_80"]) else f"{c['detectable_80']:.3f}"
-            lines.append(f"| {c['a']} - {c['b']} | {c['metric']} | {len(c['seeds'])} | {b[0]:+.3f} | {ci(b)} | {ci(t)} "
-                         f"| {det} |")
+            lines.append(f"| {c['a']} - {c['b']} | {c['metric']} | {len(c['seeds'])} | {b[0]:+.3f} | {ci(b)} "
+                         f"| {ci(t)} | {det} |")
         lines += ["", "## What the intervals say", ""] + [f"- {c['sentence']}" for c in stats["claims"]]
     if stats["critic"]:
         names = [("critic_auc", "critic AUC (pooled pairs)")] + CRITIC_KEYS

@@ -1,6 +1,6 @@
 """Running a sweep: the methods, the pacs.py and eval.py commands of each run, resume, and the small result file
-each finished run leaves (experiments/labs/lab/results/...), which counts as done: a sweep resumes from the committed files
-on a fresh machine. experiments/trend.py is the command line; this file is what it runs.
+each finished run leaves (experiments/labs/lab/results/...), which counts as done: a sweep resumes from the committed
+files on a fresh machine. experiments/trend.py is the command line; this file is what it runs.
 """
 import json
 import os
@@ -27,8 +27,8 @@ METHODS = {
     "pacs-beta4": ["--algo", "pacs", "--beta", "4.0", "--estimator", "rloo", "--balance"],
     "pacs-beta0.1": ["--algo", "pacs", "--beta", "0.1", "--estimator", "rloo", "--balance"],  # v2's beta axis ends
     "pacs-beta10": ["--algo", "pacs", "--beta", "10.0", "--estimator", "rloo", "--balance"],
-    # the paper's pi_ref (v2): a frozen copy of the weights, reset to pi_theta with AdamW's state every K rollout steps;
-    # never reset (Eq. 7's fixed pi_ref); and the reset's weights without its optimizer half
+    # the paper's pi_ref (v2): a frozen copy of the weights, reset to pi_theta with AdamW's state every K rollout
+    # steps; never reset (Eq. 7's fixed pi_ref); and the reset's weights without its optimizer half
     "pacs-ref4": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance", "--ref-reset-every", "4"],
     "pacs-ref16": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance", "--ref-reset-every", "16"],
     "pacs-ref-never": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance",
@@ -44,7 +44,8 @@ METHODS = {
                                    "--critic-control", "class-shuffled"],
     "pacs-critic-group-shuffled": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance",
                                    "--critic-control", "group-shuffled"],
-    "grpo": ["--algo", "grpo"],  # the official: seq-mean-token-sum-norm, dual clip 3, grad clip 1.0 (pacs.py's defaults)
+    # the official: seq-mean-token-sum-norm, dual clip 3, grad clip 1.0 (pacs.py's defaults)
+    "grpo": ["--algo", "grpo"],
     "grpo-token-mean": ["--algo", "grpo", "--loss-agg", "token-mean", "--clip-c", "0", "--max-grad-norm", "0"],
     "ppo": ["--algo", "ppo"],  # the official: a value model, GAE (gamma = lam = 1), critic lr 1e-5
     "reinforce": ["--algo", "reinforce"],

@@ -21,12 +21,12 @@ GPU recipe (Qwen2.5-0.5B-Instruct on DeepScaleR, the paper's schedule and eval p
         --seeds 0 1 2 --steps 300 --prompts 128 --num-mini-batches 4 --max-new-tokens 1024 --lr 1e-6 \\
         --eval-problems 0 --eval-n 16 --eval-temperature 0.6 --eval-top-p 0.95
 
-The lab (experiments/lab.py; experiments/labs/lab/README.md): --lab DIR sets every flag left unset to the lab's schedule
-(LAB_PRESET: 32 prompts x 8, M = 4, 150 steps, pass@1..64 on the 200 test problems), --split val runs the
+The lab (experiments/lab.py; experiments/labs/lab/README.md): --lab DIR sets every flag left unset to the lab's
+schedule (LAB_PRESET: 32 prompts x 8, M = 4, 150 steps, pass@1..64 on the 200 test problems), --split val runs the
 learning-rate scan on the validation split, --method-lr gives each method its chosen lr, and each finished run
-leaves a small result file in --results (experiments/labs/lab/results/...), which counts as done: the sweep resumes from the
-committed files on a fresh machine, and --scan-json / --summary-json write the scan's choice and summary.json:
-    python experiments/trend.py --lab --split val --lr 1e-4 --seeds 1000 1001     # --lab alone: experiments/labs/lab/base
+leaves a small result file in --results (experiments/labs/lab/results/...), which counts as done: the sweep resumes
+from the committed files on a fresh machine, and --scan-json / --summary-json write the scan's choice and summary.json:
+    python experiments/trend.py --lab --split val --lr 1e-4 --seeds 1000 1001  # --lab alone: experiments/labs/lab/base
     python experiments/trend.py --lab --method-lr pacs=1e-4 ... --seeds 0 1 2 3 4 5 6 7
     python experiments/lab.py --out experiments/out_lab/lab --seed 0   # a new lab (another base on another CPU)
 
@@ -61,8 +61,8 @@ from figures import plot, plot_axis, plot_beta, plot_rare, plot_reliability  # n
 from lab_summary import BETA_METHODS, flag_value, lab_scan  # noqa: E402
 from stability import summary_json  # noqa: E402  (summary.json's content from the result files: no figure)
 from summary import base_pass_at_k, collect, statistics, write_summary  # noqa: E402
-from sweep import (ALIASES, DEFAULT_METHODS, METHODS, SweepError, check_sweep_file, eval_command, eval_dir,  # noqa: E402
-                   evaluate, resolve_methods, train_and_eval, train_command)
+from sweep import (ALIASES, DEFAULT_METHODS, METHODS, SweepError, check_sweep_file, eval_command,  # noqa: E402
+                   eval_dir, evaluate, resolve_methods, train_and_eval, train_command)
 
 
 def check_args(args):
@@ -98,7 +98,8 @@ def check_args(args):
         if n_train < args.prompts:
             raise SweepError(f"{args.dataset} holds {n_train} problems, fewer than --prompts {args.prompts} per step")
     if args.critic_lr_ratio < 0:
-        raise SweepError(f"--critic-lr-ratio must be >= 0 (0 = pacs.py's default critic lr), got {args.critic_lr_ratio}")
+        raise SweepError(f"--critic-lr-ratio must be >= 0 (0 = pacs.py's default critic lr), "
+                         f"got {args.critic_lr_ratio}")
     for method, lr in args.method_lr.items():
         if method not in METHODS or not lr > 0:
             raise SweepError(f"--method-lr {method}={lr}: expected a method ({', '.join(METHODS)}) and an lr > 0")
@@ -163,12 +164,13 @@ def parse_args(argv=None):
     p.add_argument("--results", default="", help="write each finished run's small result file here "
                    "(<method>-s<seed>.json) and count a run with one as done; the summary reads them")
     p.add_argument("--lab", nargs="?", const=lab.SHIPPED, default="", help="a directory experiments/lab.py built "
-                   "(--lab alone: the shipped reference lab, experiments/labs/lab/base): its model, splits and the lab's defaults "
-                   "for every flag left unset (LAB_PRESET)")
+                   "(--lab alone: the shipped reference lab, experiments/labs/lab/base): its model, splits and the "
+                   "lab's defaults for every flag left unset (LAB_PRESET)")
     p.add_argument("--summary-json", default="", help="also write the lab's summary (lab_summary) of the result "
                    "files beside --results (every test-p*/ dir) to this path, e.g. experiments/labs/lab/summary.json")
     p.add_argument("--scan-json", default="", help="write the learning-rate scan (lab_scan) of the result files "
-                   "beside --results (every val-p*-lr*/ dir) to this path and print it, e.g. experiments/labs/lab/scan.json")
+                   "beside --results (every val-p*-lr*/ dir) to this path and print it, "
+                   "e.g. experiments/labs/lab/scan.json")
     p.add_argument("--split", default="test", choices=["test", "val"], help="with --lab: the held-out split "
                    "(val for the learning-rate scan; the test split chooses nothing)")
     first, _ = p.parse_known_args(argv)
@@ -195,9 +197,10 @@ LAB_PRESET = {"prompts": 32, "group_size": 8, "num_mini_batches": 4, "steps": 15
 def lab_defaults(first, argv):
     """Defaults of a --lab sweep: LAB_PRESET (with the lab's own response length and eval samples from its lab.json),
     the lab's model and splits, and an --out and --results named by the split and the prompts per step (and the lr
-    on the validation split: one directory per scanned lr). A shipped lab, experiments/labs/<tag>/base, keeps its result files
-    in experiments/labs/<tag>/results/ and its run dirs in experiments/out_<tag>/; its other bases (experiments/labs/<tag>/bases/seed<N>)
-    and a lab built elsewhere, in their own results/ (lab.results_root, lab.run_tag)."""
+    on the validation split: one directory per scanned lr). A shipped lab, experiments/labs/<tag>/base, keeps its
+    result files in experiments/labs/<tag>/results/ and its run dirs in experiments/out_<tag>/; its other bases
+    (experiments/labs/<tag>/bases/seed<N>) and a lab built elsewhere, in their own results/ (lab.results_root,
+    lab.run_tag)."""
     given = any(a == "--prompts" or a.startswith("--prompts=") for a in (sys.argv[1:] if argv is None else argv))
     prompts = first.prompts if given else LAB_PRESET["prompts"]
     name = f"{first.split}-p{prompts}" + (f"-lr{first.lr:g}" if first.split == "val" else "")
@@ -239,7 +242,8 @@ def main(argv=None):
     try:
         check_args(args)
         if args.dry_run:
-            print(" ".join(shlex.quote(c) for c in eval_command(args, args.model, os.path.join(args.out, "eval_base"))))
+            print(" ".join(shlex.quote(c)
+                           for c in eval_command(args, args.model, os.path.join(args.out, "eval_base"))))
             for seed in args.seeds:
                 for method in args.methods:
                     print(" ".join(shlex.quote(c) for c in train_command(args, method, seed)))

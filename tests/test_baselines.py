@@ -266,7 +266,8 @@ def test_value_loss_is_verls_compute_value_loss(mode, seed):
 def test_dual_clip_caps_the_loss_of_a_negative_advantage():
     """A token with A < 0 and ratio 5: PPO-clip alone would charge -A * 5; the dual clip caps it at -A * 3
     and its gradient is 0. With clip_c = 0 the cap is off."""
-    old, mask, adv = torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64), torch.tensor([[-1.0]])
+    old, mask, adv = (torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64),
+                      torch.tensor([[-1.0]]))
     lp = torch.tensor([[np.log(5.0)]], dtype=torch.float64)
     capped = value_and_grad(lambda x: pacs.ppo_loss(x, old, adv.double(), mask, 0.2, 3.0), lp)
     free = value_and_grad(lambda x: pacs.ppo_loss(x, old, adv.double(), mask, 0.2, 0.0), lp)
@@ -403,7 +404,8 @@ def test_one_ppo_step_moves_both_models_and_logs_the_critic(digit_model, tmp_pat
         assert moved, type(before).__name__
     assert not torch.equal(before_critic.score.weight, after_critic.score.weight)  # the head learnt
     # the decoder the critic starts from is the policy's
-    assert torch.equal(before_critic.model.layers[0].mlp.up_proj.weight, before_actor.model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(before_critic.model.layers[0].mlp.up_proj.weight,
+                       before_actor.model.layers[0].mlp.up_proj.weight)
     r = rows[0]
     for key in ("value_loss", "value_clip_frac", "explained_var", "critic_grad_norm", "value_first_mae"):
         assert r[key] is not None, key
@@ -419,9 +421,11 @@ def test_a_killed_ppo_run_resumes_to_the_uninterrupted_one(digit_model, tmp_path
     resumed = run(digit_model, tmp_path / "part", "--steps", "4", "--save-every", "2", "--resume")
     assert strip(resumed) == strip(full)
     assert full[-1]["value_loss"] != full[0]["value_loss"]  # the critic (and its AdamW) carried over
-    a = pacs.load_value_model(pacs.Config(algo="ppo"), os.path.join(pacs.latest_checkpoint(str(tmp_path / "full")), "critic"),
+    a = pacs.load_value_model(pacs.Config(algo="ppo"),
+                              os.path.join(pacs.latest_checkpoint(str(tmp_path / "full")), "critic"),
                               torch.device("cpu"))
-    b = pacs.load_value_model(pacs.Config(algo="ppo"), os.path.join(pacs.latest_checkpoint(str(tmp_path / "part")), "critic"),
+    b = pacs.load_value_model(pacs.Config(algo="ppo"),
+                              os.path.join(pacs.latest_checkpoint(str(tmp_path / "part")), "critic"),
                               torch.device("cpu"))
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 

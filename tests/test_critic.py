@@ -71,8 +71,8 @@ def test_critic_change_is_the_share_of_the_advantage_the_critic_rewrote(seed, ba
     G, B = 4, 16
     psi = [rng.gauss(0, 1) for _ in range(B)]
     rewards = [float(rng.random() < 0.5) for _ in range(B)]
-    diff2, base2 = pacs.critic_change(torch.tensor(psi, dtype=torch.float64), torch.tensor(rewards, dtype=torch.float64),
-                                      G, balance)
+    diff2, base2 = pacs.critic_change(torch.tensor(psi, dtype=torch.float64),
+                                      torch.tensor(rewards, dtype=torch.float64), G, balance)
     want = hand_adv_change(psi, rewards, G, balance)
     assert diff2.item() == pytest.approx(want[0], rel=1e-12) and base2.item() == pytest.approx(want[1], rel=1e-12)
     metrics = pacs.implicit_critic_metrics(torch.tensor(psi, dtype=torch.float64),
@@ -116,7 +116,8 @@ def test_value_model_metrics_by_hand():
     values = torch.tensor([[0.2, 0.9, 0], [0.2, 0, 0], [0.6, 0.1, 0.3], [0.6, 0.7, 0]])
     rewards = torch.tensor([1.0, 0, 0, 1])
     returns = rewards[:, None] * mask
-    updates = [((torch.tensor(0.5), torch.tensor(2.0)), 1.5, True), ((torch.tensor(0.3), torch.tensor(1.0)), 2.5, False)]
+    updates = [((torch.tensor(0.5), torch.tensor(2.0)), 1.5, True),
+               ((torch.tensor(0.3), torch.tensor(1.0)), 2.5, False)]
     m = pacs.value_model_metrics(values, returns, mask, rewards, G, slice(0, 4), updates)
     # last-token values: row 0 0.9 (right) > row 1 0.2 (wrong); row 3 0.7 (right) > row 2 0.3 (wrong)
     assert m["critic_auc"] == 1.0 and m["critic_pairs"] == 2

@@ -1,4 +1,5 @@
-"""experiments/critic_probe.py: what sigma(psi) reads (the reliability diagram's explanation in experiments/labs/lab)."""
+"""experiments/critic_probe.py: what sigma(psi) reads (the reliability diagram's explanation in
+experiments/labs/lab)."""
 import os
 import sys
 

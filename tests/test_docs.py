@@ -41,7 +41,8 @@ def line_anchor_exists(path, anchor):
 
 
 def test_slug_matches_githubs_rule():
-    assert slug(" The same sweep with M = 2: the critic switched on") == "the-same-sweep-with-m--2-the-critic-switched-on"
+    assert (slug(" The same sweep with M = 2: the critic switched on")
+            == "the-same-sweep-with-m--2-the-critic-switched-on")
     assert slug(" The verifier (`verify.py`)") == "the-verifier-verifypy"
     assert slug(" Paper → code") == "paper--code"
 
@@ -98,4 +99,26 @@ def test_the_results_page_stays_short():
     """experiments/results.md holds each question's current answer and the runs behind it; a superseded run is one line
     naming the commit where its full section stands (git keeps it), so the page stays one a reader finishes."""
     size = os.path.getsize(os.path.join(EXPERIMENTS, "results.md"))
-    assert size <= 40 * 1024, f"experiments/results.md is {size:,} bytes, over 40 kB: fold superseded runs into one line each"
+    assert size <= 40 * 1024, (f"experiments/results.md is {size:,} bytes, over 40 kB: "
+                               "fold superseded runs into one line each")
+
+
+def python_files():
+    """The project's own .py files: the top level and its code folders (not a venv, a run dir or a cache)."""
+    out = [f for f in os.listdir(ROOT) if f.endswith(".py")]
+    for folder in ("benchmarks", "examples", "experiments", "tests"):
+        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, folder)):
+            dirnames[:] = [d for d in dirnames if not d.startswith((".", "__")) and not d.startswith("out")]
+            out += [os.path.relpath(os.path.join(dirpath, f), ROOT) for f in filenames if f.endswith(".py")]
+    return sorted(out)
+
+
+def test_every_python_line_fits_119_characters():
+    """HF's width, kept by transformers and TRL: no line of the project's code is wider (characters, not bytes)."""
+    files = python_files()
+    assert {"pacs.py", "verify.py", "eval.py", "tests/test_docs.py"} <= set(files)
+    wide = []
+    for f in files:
+        with open(os.path.join(ROOT, f), encoding="utf-8") as fh:
+            wide += [f"{f}:{i}: {len(line)}" for i, line in enumerate(fh.read().splitlines(), 1) if len(line) > 119]
+    assert not wide, "lines over 119 characters:\n" + "\n".join(wide)

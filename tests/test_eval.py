@@ -126,7 +126,8 @@ def test_end_to_end_writes_samples_and_metrics(tiny_model_dir, tiny_problems_fil
     problems = [json.loads(line) for line in open(tiny_problems_file)]
     assert [(r["dataset"], r["id"]) for r in rows] == [("tiny", p["id"]) for p in problems]
     for r, p in zip(rows, problems):
-        assert set(r) == {"dataset", "id", "problem", "gold", "responses", "extracted", "correct", "lengths", "truncated"}
+        assert set(r) == {"dataset", "id", "problem", "gold", "responses", "extracted", "correct", "lengths",
+                          "truncated"}
         assert r["problem"] == p["problem"] and r["gold"] == p["answer"]
         assert all(len(r[key]) == 2 for key in ("responses", "extracted", "correct", "lengths", "truncated"))
         assert r["correct"] == [verify(t, p["answer"]) for t in r["responses"]]
@@ -142,7 +143,8 @@ def test_end_to_end_writes_samples_and_metrics(tiny_model_dir, tiny_problems_fil
     assert "tiny: 8 problems x 2 samples" in out and "pass@2" in out and "avg@2" in out
 
     # a rerun with another --k reuses the stored samples; one with other sample settings is refused
-    ev.main(eval_args(tiny_model_dir, tiny_problems_file, tmp_path / "run")[:-2] + ["--k", "1", "--out", str(tmp_path / "run")])
+    ev.main(eval_args(tiny_model_dir, tiny_problems_file, tmp_path / "run")[:-2]
+            + ["--k", "1", "--out", str(tmp_path / "run")])
     assert len(read_rows(tmp_path / "run" / "samples.jsonl")) == 8
     assert set(json.loads((tmp_path / "run" / "metrics.json").read_text())["datasets"]["tiny"]["pass@k"]) == {"1"}
     with pytest.raises(SystemExit, match="eval.py: error: .*other settings.*temperature"):
@@ -207,7 +209,8 @@ def test_report_table_and_png(tmp_path, capsys):
 def test_errors_are_one_line(tiny_model_dir, tiny_problems_file, tmp_path):
     cases = [
         (eval_args(tiny_model_dir, "nosuchset", tmp_path / "a"), "unknown dataset"),
-        (eval_args(tiny_model_dir, tiny_problems_file, tmp_path / "b")[:-2] + ["--k", "4", "--out", str(tmp_path / "b")], "--k"),
+        (eval_args(tiny_model_dir, tiny_problems_file, tmp_path / "b")[:-2]
+         + ["--k", "4", "--out", str(tmp_path / "b")], "--k"),
         (eval_args(str(tmp_path / "no_model"), tiny_problems_file, tmp_path / "c"), "model path not found"),
         (["--report", str(tmp_path)], "no metrics.json"),
     ]

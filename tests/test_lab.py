@@ -228,7 +228,8 @@ def test_sft_loss_reads_only_the_solution_and_its_eos(splits):
     """encode_sft's labels are -100 on the chat prompt and the padding, and the ids on the solution and its EOS:
     SFT teaches the model to write answers, never to predict the problem it was given."""
     tok = lab.make_tokenizer()
-    rows = [splits["sft"][0], splits["sft"][1], {"problem": "What is 10+1+1?", "solution": "10+1=11\n11+1=\\boxed{12}"}]
+    rows = [splits["sft"][0], splits["sft"][1],
+            {"problem": "What is 10+1+1?", "solution": "10+1=11\n11+1=\\boxed{12}"}]
     ids, labels, attention = lab.encode_sft(tok, rows)  # (N, L) each
     for i, r in enumerate(rows):
         prompt = tok(pacs.build_prompt(tok, r["problem"]), add_special_tokens=False)["input_ids"]
@@ -239,8 +240,9 @@ def test_sft_loss_reads_only_the_solution_and_its_eos(splits):
         assert tok.decode(labels[i][labels[i] != -100]) == r["solution"] + tok.eos_token
 
 
-# ---- the shipped labs (experiments/labs/lab/base, and any experiments/labs/<tag>/base) --------------------------------------------
-# every base of every lab: experiments/labs/<tag>/base, and experiments/labs/<tag>/bases/seed<N> (experiments/bases.py), each tested alike
+# ---- the shipped labs (experiments/labs/lab/base, and any experiments/labs/<tag>/base) --------------------
+# every base of every lab: experiments/labs/<tag>/base, and experiments/labs/<tag>/bases/seed<N>
+# (experiments/bases.py), each tested alike
 SHIPPED_LABS = sorted(b for d in os.listdir(os.path.join(ROOT, "experiments", "labs"))
                       if os.path.isfile(os.path.join(ROOT, "experiments", "labs", d, "base", "lab.json"))
                       for b in lab.shipped_bases(os.path.join(ROOT, "experiments", "labs", d)))
@@ -282,8 +284,8 @@ def test_a_shipped_labs_weights_are_the_ones_its_lab_json_names(base):
 
 
 def _result_files(base):
-    """Every result file under experiments/labs/<tag>/results/; problems-*/ holds lab_problems.py's per-problem counts, which
-    tests/test_lab_problems.py ties to these (each count file gives back its result file's pass@k)."""
+    """Every result file under experiments/labs/<tag>/results/; problems-*/ holds lab_problems.py's per-problem counts,
+    which tests/test_lab_problems.py ties to these (each count file gives back its result file's pass@k)."""
     root = lab.results_root(base)
     return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
                   if f.endswith(".json") and not os.path.relpath(d, root).startswith("problems-"))
@@ -291,8 +293,9 @@ def _result_files(base):
 
 @pytest.mark.parametrize("base", SHIPPED_LABS, ids=lambda p: os.path.relpath(p, ROOT))
 def test_every_committed_result_trained_from_its_shipped_base(base):
-    """experiments/labs/<tag>/results/** holds only runs from experiments/labs/<tag>/base's weights, each with the machine it ran on; runs
-    from another base live in an archive of their own (experiments/labs/<tag>/archive-<sha>/), each with that sha."""
+    """experiments/labs/<tag>/results/** holds only runs from experiments/labs/<tag>/base's weights, each with the
+    machine it ran on; runs from another base live in an archive of their own (experiments/labs/<tag>/archive-<sha>/),
+    each with that sha."""
     sha = json.load(open(os.path.join(base, "lab.json")))["weights_sha256"]
     files = _result_files(base)
     if not files:

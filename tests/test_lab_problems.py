@@ -24,7 +24,8 @@ def write_eval(directory, correct, finished=True, seed=0):
         json.dump({"seed": seed}, f)
     with open(os.path.join(directory, "samples.jsonl"), "w") as f:
         for pid, flags in correct.items():
-            f.write(json.dumps({"dataset": "test", "id": pid, "correct": flags, "responses": ["x"] * len(flags)}) + "\n")
+            f.write(json.dumps({"dataset": "test", "id": pid, "correct": flags, "responses": ["x"] * len(flags)})
+                    + "\n")
     if finished:
         with open(os.path.join(directory, "metrics.json"), "w") as f:
             json.dump({"n": len(next(iter(correct.values())))}, f)

@@ -149,7 +149,8 @@ def test_bf16_rollout_copy_follows_the_trained_weights(digit_model, tmp_path, mo
     monkeypatch.setattr(pacs, "sample", lambda model, *a, **k: used.append(model.dtype) or real(model, *a, **k))
     captured = {}
     real_copy = pacs.copy_weights
-    monkeypatch.setattr(pacs, "copy_weights", lambda dst, src: (real_copy(dst, src), captured.update(dst=dst, src=src)))
+    monkeypatch.setattr(pacs, "copy_weights",
+                        lambda dst, src: (real_copy(dst, src), captured.update(dst=dst, src=src)))
     run(digit_model, tmp_path, "--steps", "2", "--rollout-dtype", "bf16")
     assert used == [torch.bfloat16, torch.bfloat16]  # rollouts come from the bf16 copy
     for d, s in zip(captured["dst"].parameters(), captured["src"].parameters()):
@@ -160,7 +161,8 @@ def test_bf16_rollout_copy_follows_the_trained_weights(digit_model, tmp_path, mo
 def test_checkpoints_are_also_written_by_the_clock(digit_model, tmp_path, monkeypatch):
     saved = []
     real = pacs.save_checkpoint
-    monkeypatch.setattr(pacs, "save_checkpoint", lambda cfg, m, t, o, step, *a: saved.append(step) or real(cfg, m, t, o, step, *a))
+    monkeypatch.setattr(pacs, "save_checkpoint",
+                        lambda cfg, m, t, o, step, *a: saved.append(step) or real(cfg, m, t, o, step, *a))
     run(digit_model, tmp_path / "clock", "--steps", "3", "--save-every", "0", "--save-minutes", "1e-9")
     assert saved == [0, 1, 2]
     saved.clear()
@@ -289,9 +291,10 @@ def test_ppo_counts_the_value_model_and_names_the_flag_that_makes_it_fit(capsys)
         assert ppo_plan["peak: generate"] == pacs_plan["peak: generate"] + 12 * nc  # weights, AdamW: held throughout
         held = ppo_plan["weights (fp32)"] + ppo_plan["AdamW moments (fp32)"] + ppo_plan["rollout copy"] + 12 * nc
         actor = pacs_plan["peak: update"] - held + 12 * nc
-        critic = sum(ppo_plan[k] for k in ("critic gradients (fp32)", "critic bf16 casts", "critic activations")) + max(
-            ppo_plan["KV cache of the shared prompt"], ppo_plan["critic embedding gradient"])
-        assert ppo_plan["critic activations"] == ppo_plan["activations of a micro-batch"] + ppo_plan["attention masks (SDPA)"]
+        critic = (sum(ppo_plan[k] for k in ("critic gradients (fp32)", "critic bf16 casts", "critic activations"))
+                  + max(ppo_plan["KV cache of the shared prompt"], ppo_plan["critic embedding gradient"]))
+        assert (ppo_plan["critic activations"]
+                == ppo_plan["activations of a micro-batch"] + ppo_plan["attention masks (SDPA)"])
         assert actor > critic
         assert ppo_plan["peak: update"] == held + max(actor, critic)  # the critic's update follows the actor's
     # the default PPO run on a "24 GB" card: even one row per micro-batch is over, and the refusal says what fits
@@ -307,8 +310,8 @@ def test_ppo_counts_the_value_model_and_names_the_flag_that_makes_it_fit(capsys)
 @needs_qwen
 def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_step.py"), "--device", "cpu", "--tiny",
-                           "--prompts-per-step", "1", "--group-size", "2", "--num-mini-batches", "1",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_step.py"), "--device", "cpu",
+                           "--tiny", "--prompts-per-step", "1", "--group-size", "2", "--num-mini-batches", "1",
                            "--max-prompt-tokens", "48", "--max-new-tokens", "4", "--timed-steps", "1",
                            "--json", str(out)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -151,7 +151,8 @@ def test_saved_outputs_say_what_the_derivation_says():
     B, G = 8, 4
     for k, R, A, autograd, derivation in rows:
         assert autograd == derivation, f"response {k}: autograd {autograd}, derivation {derivation}"
-        assert float(autograd) == pytest.approx(G / (B * (G - 1)) * float(A), abs=G / (B * (G - 1)) * 5e-4)  # A: 3 places
+        assert float(autograd) == pytest.approx(G / (B * (G - 1)) * float(A),
+                                                abs=G / (B * (G - 1)) * 5e-4)  # A: 3 places
         assert (float(A) > 0) == (R == "1")  # at psi = 0: +G/(4k) right, -G/(4(G-k)) wrong
     assert float(re.search(r"max \|difference\| over all tokens: (\S+)", out).group(1)) < 1e-6
     assert float(re.search(r"\|grad L \+ policy gradient\| = (\S+)", out).group(1)) < 1e-6
@@ -166,7 +167,8 @@ def test_saved_outputs_say_what_the_derivation_says():
 def test_saved_outputs_of_the_lab_and_the_runs():
     nb = notebook()
     out = "\n".join(stdout(c) for c in code_cells(nb))
-    mini = re.findall(r"^mini-batch (\d): loss (\S+) \| psi std (\S+) .* \| AUC (\S+) over \d+ pairs$", out, flags=re.M)
+    mini = re.findall(r"^mini-batch (\d): loss (\S+) \| psi std (\S+) .* \| AUC (\S+) over \d+ pairs$", out,
+                      flags=re.M)
     assert [m for m, *_ in mini] == ["0", "1", "2", "3"]
     assert mini[0][1:] == ("0.6931", "0.000", "0.50")  # mini-batch 0 trains at pi_old: psi = 0, loss ln 2
     assert all(float(std) > 0 and 0 <= float(auc) <= 1 for _, _, std, auc in mini[1:])
@@ -221,10 +223,12 @@ def _audit(event, args):  # every path this kernel opens for writing, creates, m
         if any(c in mode for c in "wax+") or flags & (_os.O_WRONLY | _os.O_RDWR | _os.O_CREAT):
             _written.add(_os.path.abspath(_os.fsdecode(args[0])))
     elif event in ("os.mkdir", "os.remove", "os.rmdir", "os.rename", "os.replace", "shutil.rmtree"):
-        _written.update(_os.path.abspath(_os.fsdecode(a)) for a in args[:2] if isinstance(a, (str, bytes, _os.PathLike)))
+        _written.update(_os.path.abspath(_os.fsdecode(a)) for a in args[:2]
+                        if isinstance(a, (str, bytes, _os.PathLike)))
 _sys.addaudithook(_audit)"""
 REPORT_WRITES = "import json as _json\nprint(_json.dumps(sorted(_written)))"
-MAY_WRITE = (re.escape(os.path.join(ROOT, "experiments", "labs", "lab", "base")) + r"/(sft|train|val|test)\.jsonl",  # ensure_splits
+MAY_WRITE = (re.escape(os.path.join(ROOT, "experiments", "labs", "lab", "base"))
+             + r"/(sft|train|val|test)\.jsonl",  # ensure_splits
              r".*/__pycache__(/.*)?")
 
 

@@ -74,7 +74,8 @@ ROUTES = {  # name -> (pacs.py flags, OOM strike or None)
     # one ran backward: the mini-batch is redone in 2-row micro-batches, its values still from phase 3's 4-row forwards
     "OOM in phase 4": (["--micro-batch-size", "4"], lambda n, grad, training: training and grad and n >= 6),
     # mini-batch 1 (one 8-row micro-batch) fails: redone in 4-row micro-batches, still whole groups
-    "OOM in phase 4, whole groups": (["--micro-batch-size", "8"], lambda n, grad, training: training and grad and n >= 3),
+    "OOM in phase 4, whole groups": (["--micro-batch-size", "8"],
+                                     lambda n, grad, training: training and grad and n >= 3),
 }
 
 

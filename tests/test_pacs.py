@@ -303,7 +303,8 @@ def test_shared_prefill_generates_what_per_row_prefill_does(tiny_model_dir):
     model, tok = pacs.load_model(tiny_model_dir)
     prompts = [pacs.build_prompt(tok, "What is 1 + 1?"), pacs.build_prompt(tok, "A longer one: what is 10 + 20?")]
     shared = pacs.sample(model, tok, prompts, group_size=3, max_new_tokens=8, greedy=True)
-    per_row = pacs.sample(model, tok, [p for p in prompts for _ in range(3)], group_size=1, max_new_tokens=8, greedy=True)
+    per_row = pacs.sample(model, tok, [p for p in prompts for _ in range(3)], group_size=1, max_new_tokens=8,
+                          greedy=True)
     assert torch.equal(shared["response_ids"], per_row["response_ids"])
     assert torch.equal(shared["prompt_ids"], per_row["prompt_ids"])
 

@@ -86,7 +86,8 @@ def help_text(script):
 
 def test_readme_fits_its_budget():
     size = os.path.getsize(os.path.join(ROOT, "README.md"))
-    assert size <= README_BYTES, f"README.md is {size:,} bytes, over its budget of {README_BYTES:,}: move detail to docs/"
+    assert size <= README_BYTES, (f"README.md is {size:,} bytes, over its budget of {README_BYTES:,}: "
+                                  "move detail to docs/")
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         words = len(f.read().split())  # as `wc -w` counts them, code blocks included
     assert words <= README_WORDS, f"README.md has {words:,} words, over {README_WORDS:,}: move detail to docs/"
@@ -101,7 +102,8 @@ def test_every_flag_the_readme_shows_is_in_the_help_of_its_script():
         if any(h is not None and flag in FLAG.findall(h) for h in helps):
             continue
         if any(h is None for h in helps):
-            unchecked.add(f"{flag} ({' or '.join(s for s, h in zip(scripts, helps) if h is None)} does not import here)")
+            unchecked.add(f"{flag} ({' or '.join(s for s, h in zip(scripts, helps) if h is None)} "
+                          "does not import here)")
         else:
             missing.append(f"{flag} (in `{where}`: not in the --help of {' or '.join(scripts)})")
     assert not missing, "README shows flags its scripts do not have:\n" + "\n".join(sorted(set(missing)))
@@ -112,7 +114,8 @@ def test_every_flag_the_readme_shows_is_in_the_help_of_its_script():
 def test_the_flag_parser_attributes_flags_to_their_script():
     """The attribution rules above, on a made-up page (a flag in the wrong script must not pass as pacs.py's)."""
     page = ("```bash\npython eval.py --n 16 --k 1,2 \\\n    --out x   # --not-a-flag\npip install --no-deps y\n```\n\n"
-            "Run `benchmarks/vs_trl.py` with `--rounds 2`.\n\nThe `--lr` flag.\n\n`python experiments/trend.py --seeds 0` and\n"
+            "Run `benchmarks/vs_trl.py` with `--rounds 2`.\n\nThe `--lr` flag.\n\n"
+            "`python experiments/trend.py --seeds 0` and\n"
             "`--steps 6`\n")
     got = {(f, tuple(s)) for f, s, _ in shown_flags(page)}
     assert got == {("--n", ("eval.py",)), ("--k", ("eval.py",)), ("--out", ("eval.py",)),
@@ -130,7 +133,8 @@ def pacs_functions():
     out = {}
     for node in ast.parse(pacs_source()).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            params = [a.arg for a in node.args.args + node.args.kwonlyargs] if isinstance(node, ast.FunctionDef) else []
+            params = ([a.arg for a in node.args.args + node.args.kwonlyargs] if isinstance(node, ast.FunctionDef)
+                      else [])
             out[node.name] = (node.lineno, params)
     return out
 

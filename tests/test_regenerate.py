@@ -19,7 +19,7 @@ import stability  # noqa: E402
 
 LABS_DIR = os.path.join(ROOT, "experiments", "labs")
 LABS = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(LABS_DIR, "*", "summary.json"))
-              if os.path.isfile(os.path.join(os.path.dirname(p), "base", "lab.json")))  # experiments/labs/lab, experiments/labs/lab2
+              if os.path.isfile(os.path.join(os.path.dirname(p), "base", "lab.json")))  # experiments/labs/lab, lab2
 SCANS = sorted(p for lab in LABS for p in glob.glob(os.path.join(lab, "scan*.json")))  # scan.json, scan-p4.json
 
 

@@ -1,6 +1,6 @@
-"""experiments/stability.py: the stability and efficiency metrics of experiments/stability.md, each against a case computed
-by hand, and summary.json's `stability` and `efficiency` entries (their schema, on a synthetic lab and on every
-committed summary)."""
+"""experiments/stability.py: the stability and efficiency metrics of experiments/stability.md, each against a case
+computed by hand, and summary.json's `stability` and `efficiency` entries (their schema, on a synthetic lab and on
+every committed summary)."""
 import glob
 import json
 import math
@@ -92,7 +92,8 @@ def test_run_entry_reads_a_result_file_and_notes_what_it_lacks():
     (entry, notes), (s_entry, s_notes) = stability.run_entry(r, 0.4), stability.run_entry(short, 0.4)
     assert entry["grad_spike"] is None and notes == [("gradient spike", "pacs-s3: the result file has no per-step "
                                                                          "grad_norm")]
-    assert s_entry["drawdown"] is None and s_entry["steps_to_half_gain"] is None and s_entry["mean_reward"] == pytest.approx(0.2)
+    assert (s_entry["drawdown"] is None and s_entry["steps_to_half_gain"] is None
+            and s_entry["mean_reward"] == pytest.approx(0.2))
     assert ("drawdown", "grpo-s0: a curve of 3 steps is shorter than the smoothing window of 10") in s_notes
 
 
@@ -102,12 +103,15 @@ def test_spread_is_the_sd_ratio_with_levenes_median_centred_test():
            [{"method": "grpo", "pass@1": x} for x in (0.0, 2.0, 4.0, 6.0)]
     e = stability.spread_entry(runs, "pacs", "grpo")
     # by hand: SDs (n - 1) sqrt(62.75 / 3) and sqrt(20 / 3). Brown-Forsythe: |x - median| = [1.5, 0.5, 0.5, 8.5]
-    # and [3, 1, 1, 3]; their one-way ANOVA: SSB = 8 * 0.375^2 = 1.125, SSW = 44.75 + 4 = 48.75, F = 1.125 / (48.75 / 6)
-    assert e["sd_a"] == pytest.approx(math.sqrt(62.75 / 3), abs=1e-5) and e["sd_b"] == pytest.approx(math.sqrt(20 / 3), abs=1e-5)
+    # and [3, 1, 1, 3]; their one-way ANOVA: SSB = 8 * 0.375^2 = 1.125, SSW = 44.75 + 4 = 48.75,
+    # F = 1.125 / (48.75 / 6)
+    assert (e["sd_a"] == pytest.approx(math.sqrt(62.75 / 3), abs=1e-5)
+            and e["sd_b"] == pytest.approx(math.sqrt(20 / 3), abs=1e-5))
     assert e["ratio"] == pytest.approx(math.sqrt(62.75 / 20), abs=1e-5)
     assert e["p_levene"] == pytest.approx(sps.f.sf(1.125 / (48.75 / 6), 1, 6), rel=2e-3)
     assert (e["seeds_a"], e["seeds_b"]) == (4, 4)
-    assert e["detectable_ratio_80"] == pytest.approx(math.sqrt(sps.f.ppf(0.975, 3, 3) / sps.f.ppf(0.2, 3, 3)), abs=1e-5)
+    assert e["detectable_ratio_80"] == pytest.approx(math.sqrt(sps.f.ppf(0.975, 3, 3) / sps.f.ppf(0.2, 3, 3)),
+                                                     abs=1e-5)
     flat = stability.spread_entry([{"method": m, "pass@1": 0.5} for m in ("pacs", "ppo") for _ in range(3)], "pacs",
                                   "ppo")
     assert flat["p_levene"] is None and flat["ratio"] is None  # no spread on either side: nothing to test
@@ -158,7 +162,8 @@ def test_lr_robustness_is_each_methods_share_of_its_best_and_its_cliff_at_twice_
     assert pacs["loss_2x"] == pytest.approx(0.61 - 0.32) and pacs["loss_half"] == pytest.approx(0.61 - 0.52)
     assert pacs["loss_2x_per_seed"] == {"1000": pytest.approx(0.30), "1001": pytest.approx(0.28)}
     assert grpo["loss_2x_per_seed"] == {"1000": pytest.approx(0.10), "1001": pytest.approx(0.14)}
-    assert ppo["chosen"] == 2e-4 and ppo["lr_2x"] is None and ppo["loss_2x"] is None and ppo["loss_2x_per_seed"] is None
+    assert (ppo["chosen"] == 2e-4 and ppo["lr_2x"] is None and ppo["loss_2x"] is None
+            and ppo["loss_2x_per_seed"] is None)
     assert ppo["loss_half"] == pytest.approx(0.50 - 0.42)
     # PACS - GRPO per seed: 0.20, 0.14; mean 0.17 -/+ t_{0.975, 1} * s / sqrt(2), s = 0.06 / sqrt(2)
     (pair,) = lr["paired"]
@@ -177,7 +182,8 @@ def test_parameter_counts_are_the_policy_and_ppos_value_model_of_the_labs_config
     per_layer = 4 * H * H + 3 * H + 3 * H * I + 2 * H  # q, k, v, o; the q, k, v biases; the MLP; two RMSNorms
     policy = V * H + L * per_layer + H  # the embedding (the LM head shares it) and the final norm
     assert counts == {"policy": policy, "value_model": policy + H + 1}
-    assert policy == json.load(open(os.path.join(ROOT, "experiments", "labs", "lab", "base", "lab.json")))["parameters"]
+    assert policy == json.load(open(os.path.join(ROOT, "experiments", "labs", "lab", "base",
+                                                 "lab.json")))["parameters"]
     assert stability.parameter_counts(str(ROOT)) is None  # no config.json
 
 
@@ -290,7 +296,8 @@ def test_the_summary_entries_on_a_synthetic_lab(tmp_path):
     assert st["base_pass@1"] is None and st["below_base"] == [] and ef["parameters"] is None  # no lab dir
     assert st["lr"]["methods"]["pacs"]["loss_2x"] == pytest.approx(0.2)
     assert ef["no_gain"] == [] and st["unmeasured"] == [] and ef["unmeasured"] == []
-    assert [p["b"] for p in st["spread"]] == ["grpo", "ppo"]  # sweep.CLAIMS's pairs that ran (no critic-off, reinforce)
+    # sweep.CLAIMS's pairs that ran (no critic-off, reinforce)
+    assert [p["b"] for p in st["spread"]] == ["grpo", "ppo"]
 
 
 def test_a_control_run_is_compared_as_its_own_method(tmp_path):
@@ -306,8 +313,9 @@ def test_a_control_run_is_compared_as_its_own_method(tmp_path):
 
 
 def test_every_committed_lab_summary_has_stability_and_efficiency():
-    """experiments/labs/lab/summary.json and experiments/labs/lab2/summary.json (every lab that ships a base) carry both entries in their
-    schema, with the parameters counted from the shipped model and the base model's pass@1 from lab.json."""
+    """experiments/labs/lab/summary.json and experiments/labs/lab2/summary.json (every lab that ships a base) carry
+    both entries in their schema, with the parameters counted from the shipped model and the base model's pass@1 from
+    lab.json."""
     labs = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(ROOT, "experiments", "labs", "*", "summary.json"))
                   if os.path.isfile(os.path.join(os.path.dirname(p), "base", "lab.json")))
     assert {os.path.basename(d) for d in labs} >= {"lab", "lab2"}

@@ -129,7 +129,8 @@ def test_data_order_is_a_seeded_reshuffle_each_epoch():
     n, per_step, epochs = 10, 3, 4  # 3 does not divide 10: steps straddle epoch boundaries
 
     def order(seed):
-        flat = [i for step in range(math.ceil(epochs * n / per_step)) for i in pacs.batch_indices(step, n, per_step, seed)]
+        flat = [i for step in range(math.ceil(epochs * n / per_step))
+                for i in pacs.batch_indices(step, n, per_step, seed)]
         return [flat[e * n:(e + 1) * n] for e in range(epochs)]
 
     a = order(0)
@@ -174,7 +175,8 @@ def training_state(model, optimizer):
 
 def same_state(a, b):
     return a[0].keys() == b[0].keys() and a[1].keys() == b[1].keys() and all(
-        torch.equal(a[i][k], b[i][k]) if torch.is_tensor(a[i][k]) else a[i][k] == b[i][k] for i in (0, 1) for k in a[i])
+        torch.equal(a[i][k], b[i][k]) if torch.is_tensor(a[i][k]) else a[i][k] == b[i][k]
+        for i in (0, 1) for k in a[i])
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

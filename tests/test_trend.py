@@ -29,7 +29,8 @@ def test_t_interval_matches_closed_forms(p):
     """Half-width t_{p, n-1} * s / sqrt(n): at n = 2 (df = 1, the Cauchy distribution) and n = 3 (df = 2) the
     quantile has a closed form; at a huge n it is the normal's."""
     level = 2 * p - 1
-    for x, q in (([0.2, 0.5], math.tan(math.pi * (p - 0.5))), ([0.2, 0.5, 0.6], (2 * p - 1) / math.sqrt(2 * p * (1 - p)))):
+    for x, q in (([0.2, 0.5], math.tan(math.pi * (p - 0.5))),
+                 ([0.2, 0.5, 0.6], (2 * p - 1) / math.sqrt(2 * p * (1 - p)))):
         mean, lo, hi = trend_stats.t_interval(x, level)
         assert hi - mean == pytest.approx(q * np.std(x, ddof=1) / math.sqrt(len(x)), rel=1e-7)
         assert mean - lo == pytest.approx(hi - mean, rel=1e-12)
@@ -53,7 +54,8 @@ def test_smallest_detectable_difference():
     of that size, tested by a paired t-test at 5% on normal samples of the same spread, is found about 4 times in 5."""
     x = [0.2, 0.5, 0.6]
     q = lambda p: (2 * p - 1) / math.sqrt(2 * p * (1 - p))  # df = 2
-    assert trend_stats.smallest_detectable(x) == pytest.approx((q(0.975) + q(0.8)) * np.std(x, ddof=1) / math.sqrt(3), rel=1e-7)
+    assert trend_stats.smallest_detectable(x) == pytest.approx((q(0.975) + q(0.8)) * np.std(x, ddof=1) / math.sqrt(3),
+                                                               rel=1e-7)
     assert math.isnan(trend_stats.smallest_detectable([0.1]))
     n, rng = 16, np.random.default_rng(0)
     spread_1 = np.linspace(-1, 1, n) / np.std(np.linspace(-1, 1, n), ddof=1)  # (n,): sample standard deviation 1
@@ -421,7 +423,8 @@ def test_a_lab_sweep_without_its_base_eval_reads_the_base_pass_at_k_from_lab_jso
     trend.check_args(val)
     assert summary.base_pass_at_k(val) is None  # lab.py measured the test split only
     (tmp_path / "out" / "eval_base").mkdir(parents=True)  # an eval in --out wins
-    (tmp_path / "out" / "eval_base" / "metrics.json").write_text(json.dumps({"datasets": {"test": {"pass@k": {"1": 0.31}}}}))
+    (tmp_path / "out" / "eval_base" / "metrics.json").write_text(
+        json.dumps({"datasets": {"test": {"pass@k": {"1": 0.31}}}}))
     assert summary.base_pass_at_k(args) == {"test": {1: 0.31}}
 
 
@@ -433,8 +436,10 @@ def test_lab_preset_fills_the_flags_left_unset(tmp_path):
     assert args.model == os.path.join(lab, "model") and args.dataset == os.path.join(lab, "train.jsonl")
     assert trend.parse_args(["--lab", os.path.relpath(lab)]).model == args.model  # absolute: runs start in ROOT
     assert args.eval_datasets == os.path.join(lab, "test.jsonl")
-    # a lab built elsewhere keeps its results inside it; a shipped one (experiments/labs/<tag>/base) in experiments/labs/<tag>/results/
-    assert args.results == os.path.join(lab, "results", "test-p32") and args.out.endswith("experiments/out_lab/test-p32")
+    # a lab built elsewhere keeps its results inside it; a shipped one (experiments/labs/<tag>/base) in
+    # experiments/labs/<tag>/results/
+    assert (args.results == os.path.join(lab, "results", "test-p32")
+            and args.out.endswith("experiments/out_lab/test-p32"))
     shipped = trend.parse_args(["--lab"])
     assert shipped.model == os.path.join(sweep.ROOT, "experiments", "labs", "lab", "base", "model")
     assert shipped.results == os.path.join(sweep.ROOT, "experiments", "labs", "lab", "results", "test-p32")
@@ -446,7 +451,8 @@ def test_lab_preset_fills_the_flags_left_unset(tmp_path):
     assert (second.max_new_tokens, second.eval_n) == (48, 256) and (args.max_new_tokens, args.eval_n) == (32, 64)
     assert second.results == str(tmp_path / "docs" / "lab2" / "results" / "test-p32")
     assert second.out.endswith("experiments/out_lab2/test-p32")
-    # a lab's other bases (experiments/labs/<tag>/bases/seed<N>): results inside each, run dirs apart from another lab's seed<N>
+    # a lab's other bases (experiments/labs/<tag>/bases/seed<N>): results inside each, run dirs apart from another
+    # lab's seed<N>
     for tag in ("lab", "lab2"):
         seed2 = trend.parse_args(["--lab", _fake_lab(tmp_path / "docs" / tag / "bases" / "seed2")])
         assert seed2.results == str(tmp_path / "docs" / tag / "bases" / "seed2" / "results" / "test-p32")
@@ -476,8 +482,8 @@ SUMMARY_RUN_KEYS = {"method", "seed", "pass@1", "pass@64", "final_reward", "fina
 
 
 def check_summary_schema(summary):
-    """The schema of experiments/labs/lab/summary.json (and a few more settings): the keys and their types. The first sweep's
-    (the archive's) predates beta_axis and calibration."""
+    """The schema of experiments/labs/lab/summary.json (and a few more settings): the keys and their types. The first
+    sweep's (the archive's) predates beta_axis and calibration."""
     assert {"settings", "runs", "axis", "paired", "wall_s"} <= set(summary) <= {
         "settings", "runs", "axis", "paired", "wall_s", "beta_axis", "calibration", "base", "rare", "control",
         "decomposition", "critic_window", "bases", "stability", "efficiency", "reference", "v2_ablations"}
@@ -505,7 +511,8 @@ def check_summary_schema(summary):
         if p.get("p_t") is not None:  # p < 0.05 where the 95% t-interval excludes 0 (both rounded: not at 0.05)
             assert 0 < p["p_t"] <= 1
             assert abs(p["p_t"] - 0.05) < 1e-3 or (p["p_t"] < 0.05) == (not p["ci95_t"][0] <= 0 <= p["ci95_t"][1])
-        assert p["seeds"] >= 1 and p["metric"] in ("pass@1", "pass@16", "pass@64", "pass@256") and len(p["ci95_t"]) == 2
+        assert (p["seeds"] >= 1 and p["metric"] in ("pass@1", "pass@16", "pass@64", "pass@256")
+                and len(p["ci95_t"]) == 2)
         assert p["seeds"] == 1 or p["ci95_t"][0] <= p["mean"] <= p["ci95_t"][1]
     assert isinstance(summary["wall_s"], float) and summary["wall_s"] >= 0
     for b in summary.get("beta_axis", []):
@@ -538,7 +545,8 @@ def check_summary_schema(summary):
     for method, c in summary.get("calibration", {}).items():
         assert set(c) == {"edges", "n", "sigma", "right"} and len(c["edges"]) == len(c["n"]) + 1
         assert all(0 <= r <= n for r, n in zip(c["right"], c["n"]))
-        assert all(e0 * n <= sg <= e1 * n + 1e-6 for e0, e1, n, sg in zip(c["edges"], c["edges"][1:], c["n"], c["sigma"]))
+        assert all(e0 * n <= sg <= e1 * n + 1e-6
+                   for e0, e1, n, sg in zip(c["edges"], c["edges"][1:], c["n"], c["sigma"]))
 
 
 def test_lab_summary_follows_the_schema(tmp_path, monkeypatch):
@@ -569,7 +577,8 @@ def test_lab_summary_follows_the_schema(tmp_path, monkeypatch):
     trend.main(_argv(tmp_path / "out8", "--methods", "pacs", "pacs-critic-off", "grpo", "--prompts", "8",
                      "--results", str(runs / "test-p8"), "--summary-json", str(tmp_path / "summary.json")))
     written = json.load(open(tmp_path / "summary.json"))  # and stability.py's entries (tests/test_stability.py)
-    assert {k: v for k, v in written.items() if k not in ("stability", "efficiency")} == json.loads(json.dumps(summary))
+    assert ({k: v for k, v in written.items() if k not in ("stability", "efficiency")}
+            == json.loads(json.dumps(summary)))
     assert os.path.getsize(tmp_path / "lab_axis.png") > 0
     assert os.path.getsize(tmp_path / "lab_reliability.png") > 0  # one beta: pacs's and critic-off's sigma(psi)
     assert not os.path.exists(tmp_path / "lab_beta.png")
@@ -757,9 +766,11 @@ ARCHIVE = os.path.join(LAB_DOCS, "archive-7e4899b1")  # the first sweep's files,
 
 
 def test_every_committed_lab_summary_follows_the_schema_and_names_its_shipped_base():
-    """experiments/labs/<lab>/summary.json, for every lab that ships a base (the first lab's at least): the schema, and the
-    weights it summarises are the ones that lab ships (lab.json's sha256), its base pass@k the one lab.json measured."""
-    labs = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(sweep.ROOT, "experiments", "labs", "*", "summary.json"))
+    """experiments/labs/<lab>/summary.json, for every lab that ships a base (the first lab's at least): the schema, and
+    the weights it summarises are the ones that lab ships (lab.json's sha256), its base pass@k the one lab.json
+    measured."""
+    labs = sorted(os.path.dirname(p)
+                  for p in glob.glob(os.path.join(sweep.ROOT, "experiments", "labs", "*", "summary.json"))
                   if os.path.isfile(os.path.join(os.path.dirname(p), "base", "lab.json")))
     assert LAB_DOCS in labs, "experiments/labs/lab/summary.json is missing"
     for lab in labs:

@@ -85,8 +85,8 @@ def test_two_processes_same_update_as_one(tiny_model_dir, rollout, tmp_path):
     multi-process CPU run to mpirun and, without it, starts a single process."""
     out = tmp_path / "grads.pt"
     proc = launch_two_processes([os.path.join(ROOT, "tests", "trl_fixed_rollout.py"), "--model-dir", tiny_model_dir,
-                                 "--out", str(out), "--group-size", str(G), "--per-device", str(G), "--grad-accum", "1",
-                                 "--num-mini-batches", "2"])
+                                 "--out", str(out), "--group-size", str(G), "--per-device", str(G),
+                                 "--grad-accum", "1", "--num-mini-batches", "2"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = torch.load(out)
     assert two["num_processes"] == 2 and two["backend"] == "gloo"

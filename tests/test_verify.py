@@ -111,15 +111,18 @@ def test_trap_is_false(response, gold):
     ("the level of H2 >= 3", "3"),  # a name glued to a digit is no variable
     ("The inequality holds when $k >= 5$.", "k >= 5"),  # not split at the `=` of `>=`
     ("no digits here", None),
-    ("La réponse est donc 12, obtenue en 3 étapes.", "12"),  # answer cues in other languages, a connective after the cue
+    # answer cues in other languages, a connective after the cue
+    ("La réponse est donc 12, obtenue en 3 étapes.", "12"),
     ("Die Antwort lautet $\\frac{7}{2}$. Probe: 2 \\cdot 3.5 = 7", "\\frac{7}{2}"),
     ("Ответ: 15. Проверка: 15 − 3 = 12.", "15"),
     ("所以答案是 $\\frac{1}{3}$。验证：3 × 3 = 9。", "\\frac{1}{3}"),
     ("**Answer:** 42", "42"),
     ("He pays $20, and she pays 75 $.", "75"),  # `$20, and she pays 75 $` is currency around prose, not a math span
     (r"so \\boxed{\\sqrt{2}}", r"\sqrt{2}"),  # JSON encoded twice: every backslash doubled
-    (r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),  # a row break is no doubled command
-    ("La réponse est (12 + 30 = 42).", "42"),  # parentheses around the answer; a computation after a cue gives its result
+    # a row break is no doubled command
+    (r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),
+    # parentheses around the answer; a computation after a cue gives its result
+    ("La réponse est (12 + 30 = 42).", "42"),
     ("Réponse : il lui reste 150 $ à rembourser en 6 mois.", "150"),  # prose after a cue: a duration is the question's
     ("Réponse : il aura tout remboursé en 6 mois.", "6"),  # ... unless it is the only value
     ("答案：每人分到 (\\frac{3}{7}) 千克。", "\\frac{3}{7}"),  # a parenthesised value without words in prose
@@ -169,8 +172,10 @@ def test_strict_accepts_only_boxes():
     ("1,000", "1000", True), ("1, 000", "1000", False), ("y = 2x+1", "2x + 1 = y", True),
     ("x = 1, x = 2", "2,1", True), (r"\frac12", "50\\%", True), ("a = b", "b = a", True), ("x = 1", "y = 1", False),
     ("(2,9)or(9,2)", "(9,2), (2,9)", True), ("(2,9)or(9,3)", "(9,2), (2,9)", False),  # alternatives glued to brackets
-    (r"b_{12} = 7, \quad b_2 = 3", "b_2 = 3, b_{12} = 7", True), (r"b_{12} = 3, \quad b_2 = 7", "b_2 = 3, b_{12} = 7", False),
-    (r"1, 2", r"x_1 = 1,\quadx_2 = 2", True), (r"2, 1", r"x_1 = 1,\quadx_2 = 2", False),  # a numbered gold keeps its order
+    (r"b_{12} = 7, \quad b_2 = 3", "b_2 = 3, b_{12} = 7", True),
+    (r"b_{12} = 3, \quad b_2 = 7", "b_2 = 3, b_{12} = 7", False),
+    # a numbered gold keeps its order
+    (r"1, 2", r"x_1 = 1,\quadx_2 = 2", True), (r"2, 1", r"x_1 = 1,\quadx_2 = 2", False),
     (r"\sum_{i=1}^{n} a_i b_{n-i}", r"\sum_{k=1}^{n} b_{n-k} a_k", True),  # the index of a sum is a bound name
     (r"\sum_{i=1}^{n} a_i b_{n-k}", r"\sum_{k=1}^{n} b_{n-k} a_k", False),
     (r"\sum_{i=1}^{n} i^2", r"\sum_{k=1}^{n} k^2", True), (r"\sum_{i=1}^{n} i^2", r"\sum_{k=1}^{n} i^2", False),
@@ -192,7 +197,8 @@ def test_math500_golds():
         assert verify.is_equiv(g, g), g
         assert verify.verify(f"... so the answer is $\\boxed{{{g}}}$.", g), g
     shifted = golds[1:] + golds[:1]  # a different gold is (almost always) a different answer
-    equal = [(a, g) for a, g in zip(shifted, golds) if verify.is_equiv(a, g) and verify._normalize(a) != verify._normalize(g)]
+    equal = [(a, g) for a, g in zip(shifted, golds)
+             if verify.is_equiv(a, g) and verify._normalize(a) != verify._normalize(g)]
     assert len(equal) <= 2, equal
 
 
@@ -206,11 +212,11 @@ def test_aime_leading_zeros():
 
 # --- fuzzing: never raises, never hangs -------------------------------------------------------
 
-TOKENS = [r"\frac", r"\sqrt", r"\boxed{", r"\fbox{", "{", "}", "(", ")", "[", "]", r"\{", r"\}", "^", "_", "10", "2", "0", "9",
-          "x", "y", "e", "i", r"\pi", r"\infty", r"\pm", r"\cdot", r"\times", "+", "-", "/", "=", "<", r"\le", ",", ".", "%",
-          r"\%", "$", r"\left(", r"\right)", r"\begin{pmatrix}", r"\end{pmatrix}", "\\\\", "&", r"\text{", "cm", " ",
-          r"\sin", r"\log_", r"\ln", "!", "|", r"\cup", r"\in", "The answer is ", r"\binom", r"\lfloor", r"\rfloor", "\n",
-          ":", ";", "PQ", r"\angle ", " million", "five", "<=", "AB2C",
+TOKENS = [r"\frac", r"\sqrt", r"\boxed{", r"\fbox{", "{", "}", "(", ")", "[", "]", r"\{", r"\}", "^", "_", "10", "2",
+          "0", "9", "x", "y", "e", "i", r"\pi", r"\infty", r"\pm", r"\cdot", r"\times", "+", "-", "/", "=", "<",
+          r"\le", ",", ".", "%", r"\%", "$", r"\left(", r"\right)", r"\begin{pmatrix}", r"\end{pmatrix}", "\\\\", "&",
+          r"\text{", "cm", " ", r"\sin", r"\log_", r"\ln", "!", "|", r"\cup", r"\in", "The answer is ", r"\binom",
+          r"\lfloor", r"\rfloor", "\n", ":", ";", "PQ", r"\angle ", " million", "five", "<=", "AB2C",
           r"\sum_{i=1}^{n}", r"\prod_", "a_i", "|x|", r"\lor", r"\quad", " != ", ">=", "€", " or ", "\\\\sqrt",
           "Final Answer: ", "La réponse est ", "答案是", "Ответ: "]
 def fuzz(n):
@@ -226,7 +232,8 @@ def test_default_hypothesis_run_is_deterministic(pytestconfig):
     if chosen != "ci":
         pytest.skip(f"the Hypothesis profile {chosen!r} was chosen")
     assert settings.default.derandomize is True and settings.default.database is None
-    for test in (test_fuzz_latex_tokens, test_fuzz_adversarial, test_fuzz_pairs, test_fuzz_expressions_no_false_positive):
+    for test in (test_fuzz_latex_tokens, test_fuzz_adversarial, test_fuzz_pairs,
+                 test_fuzz_expressions_no_false_positive):
         used = test._hypothesis_internal_use_settings  # what @fuzz(n) gave the test: the profile's, plus its count
         assert used.derandomize is True and used.database is None and used.max_examples >= 2000
 
@@ -240,7 +247,8 @@ def _bounded(fn, *args):
 
 
 @fuzz(3000)
-@given(st.lists(st.sampled_from(TOKENS), max_size=25).map("".join), st.sampled_from(["5", r"\frac{1}{2}", "(1,2)", "x+1", r"[0,\infty)"]))
+@given(st.lists(st.sampled_from(TOKENS), max_size=25).map("".join),
+       st.sampled_from(["5", r"\frac{1}{2}", "(1,2)", "x+1", r"[0,\infty)"]))
 def test_fuzz_latex_tokens(response, gold):
     _bounded(verify.verify, response, gold)
     _bounded(verify.verify, r"\boxed{" + response + "}", gold)
@@ -275,14 +283,16 @@ def test_fuzz_pairs(a, b):
 def _grow(children):
     two = st.tuples(children, children)
     return st.one_of(
-        two.map(lambda t: f"{t[0]}+{t[1]}"), two.map(lambda t: f"{t[0]}-{t[1]}"), two.map(lambda t: f"({t[0]})({t[1]})"),
+        two.map(lambda t: f"{t[0]}+{t[1]}"), two.map(lambda t: f"{t[0]}-{t[1]}"),
+        two.map(lambda t: f"({t[0]})({t[1]})"),
         two.map(lambda t: rf"\frac{{{t[0]}}}{{{t[1]}}}"), two.map(lambda t: f"({t[0]})^{{{t[1]}}}"),
-        children.map(lambda c: rf"\sqrt{{{c}}}"), children.map(lambda c: rf"\sin({c})"), children.map(lambda c: rf"\ln({c})"),
-        children.map(lambda c: f"|{c}|"), children.map(lambda c: f"-({c})"),
+        children.map(lambda c: rf"\sqrt{{{c}}}"), children.map(lambda c: rf"\sin({c})"),
+        children.map(lambda c: rf"\ln({c})"), children.map(lambda c: f"|{c}|"), children.map(lambda c: f"-({c})"),
         children.map(lambda c: rf"\sum_{{i=1}}^{{n}} ({c}) a_i"))
 
 
-EXPRESSIONS = st.recursive(st.sampled_from(["x", "y", "0", "1", "2", "3", "10", "99", r"\pi", "e", "i", "0.5", r"\frac{1}{3}"]),
+EXPRESSIONS = st.recursive(st.sampled_from(["x", "y", "0", "1", "2", "3", "10", "99", r"\pi", "e", "i", "0.5",
+                                            r"\frac{1}{3}"]),
                            _grow, max_leaves=10)
 
 
@@ -387,7 +397,8 @@ def test_cli_single():
     out = subprocess.run([sys.executable, "verify.py", r"so \boxed{\dfrac{14}{3}}", r"\frac{14}{3}"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "extracted: \\dfrac{14}{3}" in out and "verdict: True" in out
-    out = subprocess.run([sys.executable, "verify.py", r"\boxed{5}", "6"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "verify.py", r"\boxed{5}", "6"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "verdict: False" in out
 
 
@@ -397,7 +408,8 @@ def test_cli_jsonl(tmp_path):
             {"response": r"\boxed{x}", "answer": "y", "expected": True}]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = subprocess.run([sys.executable, "verify.py", "--jsonl", str(path)], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "verify.py", "--jsonl", str(path)],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "accuracy: 2/3" in out and "false negatives: 1" in out and "responses/s" in out
 
 
