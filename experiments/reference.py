@@ -124,14 +124,19 @@ def norm(stat):
     return "–" if stat is None or stat["mean"] is None else f"{stat['mean']:.3g}"
 
 
+def paired_with(paired, b, metric):
+    """The paired entry against method b in metric (lab_summary's), or None."""
+    return next((p for p in paired if p["b"] == b and p["metric"] == metric), None)
+
+
 def detectable(paired, b, metric):
-    """The paired difference the seeds detect with 80% power at p < 0.05 (lab_summary's paired entries)."""
-    p = next((p for p in paired if p["b"] == b and p["metric"] == metric), None)
+    """The paired difference the seeds detect with 80% power at p < 0.05."""
+    p = paired_with(paired, b, metric)
     return "–" if p is None or p.get("detectable_80") is None else f"{p['detectable_80']:.3f}"
 
 
 def diff(paired, b, metric):
-    p = next((p for p in paired if p["b"] == b and p["metric"] == metric), None)
+    p = paired_with(paired, b, metric)
     if p is None:
         return "–"
     lo, hi = p["ci95_t"]

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bases import bases_summary  # noqa: E402  (each claim over the lab's bases)
 from lab_summary import (base_entry, control_summary, critic_window, decomposition_summary, lab_results,  # noqa: E402
                          lab_scan, lab_summary, p_value, paired_entry, rare_summary, rounded)
-from reference import ablation_summary, reference_summary  # noqa: E402  (the paper's pi_ref, v2's ablations)
+from reference import ablation_summary, paired_with, reference_summary  # noqa: E402  (pi_ref, v2's ablations)
 from stats import t_interval  # noqa: E402
 from sweep import CLAIMS, SweepError  # noqa: E402
 
@@ -436,7 +436,7 @@ def tables(summary):
     out += ["", "| PACS − | mean training reward | samples to half the gain | step time, ratio |",
             "|---|---:|---:|---:|"]
     for a, b in dict.fromkeys((p["a"], p["b"]) for p in ef["paired"]):
-        get = lambda metric: next((p for p in ef["paired"] if p["b"] == b and p["metric"] == metric), None)
+        get = lambda metric: paired_with(ef["paired"], b, metric)
         mr, sh, tm = get("mean_reward"), get("samples_to_half_gain"), get("log_step_time")
         out.append(f"| {b} ({_seeds(mr['seeds'])}) | {_cell(mr, fmt='+.3f', det='.3f')} | "
                    f"{_cell(sh, fmt='+,.0f', det=',.0f')} | {_cell(tm, math.exp, '.2f', det='.2f')} |")
