@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -44,7 +45,7 @@ from tqdm.auto import tqdm
 
 import pacs
 from pacs import ConfigError, flag
-from verify import extract_answer, verify
+from verify import extract_answer
 
 
 @dataclass
@@ -68,7 +69,10 @@ class EvalConfig:  # flags parsed by pacs.parse_flags (HfArgumentParser), as pac
     temperature: Optional[float] = flag(None, "sampling temperature (unset: --protocol's, 0.6)")
     top_p: Optional[float] = flag(None, "nucleus sampling (unset: --protocol's, 0.95)")
     max_new_tokens: Optional[int] = flag(None, "response length limit (unset: --protocol's)")
-    batch_size: int = flag(64, "most sequences per generate call (problems x n)")
+    batch_size: int = flag(0, "most sequences per generate call (problems x n); 0: on CUDA the most "
+                           "that fit the memory plan, on the CPU 64 (a resumed run keeps its first run's)")
+    static_cache: bool = flag(False, "pacs.py's --static-cache: a fixed-size KV cache, decode compiled "
+                              "on CUDA")
     seed: int = flag(0, "seeds each generate batch and the bootstrap")
     device: Literal["auto", "cpu", "cuda"] = flag("auto", "auto | cpu | cuda (bf16 on CUDA, fp32 on CPU)")
     out: str = flag("runs/eval", "config.json, samples.jsonl and metrics.json go here")
@@ -219,7 +223,7 @@ def batch_seed(seed, dataset, first_id):
     return int(hashlib.sha256(f"{seed}|{dataset}|{first_id}".encode()).hexdigest()[:15], 16)
 
 
-def sample_batch(model, tokenizer, batch, args):
+def sample_batch(model, tokenizer, batch, args, cache_tokens=0):
     """n responses to each problem of batch, at most --batch-size sequences per generate call.
     Returns one (texts, lengths, truncated) per problem, each a list of n."""
     prompts = [pacs.build_prompt(tokenizer, p["problem"]) for p in batch]
@@ -228,7 +232,7 @@ def sample_batch(model, tokenizer, batch, args):
     for s in range(0, args.n, g):
         G = min(g, args.n - s)
         roll = pacs.sample(model, tokenizer, prompts, G, args.max_new_tokens, args.temperature, args.top_p,
-                           batch_prompts=len(prompts))
+                           batch_prompts=len(prompts), cache_tokens=cache_tokens)
         ids, mask = roll["response_ids"].cpu(), roll["response_mask"].cpu()  # (len(batch)*G, T)
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)  # pacs.sample pads after the first EOS
         lengths, trunc = mask.sum(1).tolist(), roll["truncated"].tolist()
@@ -276,6 +280,25 @@ def changed_settings(path, settings):
             if saved.get(k) != v]
 
 
+def planned_batch_size(args, device, prompt_tokens, saved):
+    """--batch-size 0: the first run's (config.json's `batch_size`, so that a resumed run forms the same seeded
+    batches), else on CUDA the most sequences (a power of two, at most 4,096) whose generate call fits the memory
+    plan (pacs.memory_plan's generate terms at the longest prompt, beside the bf16 weights), else 64."""
+    if saved:
+        return saved
+    if device.type != "cuda":
+        return 64
+    config = pacs.load_model_config(args.model)
+    n_params = pacs.count_parameters(config)
+    cfg = pacs.Config(group_size=1, max_prompt_tokens=prompt_tokens, max_new_tokens=args.max_new_tokens,
+                      rollout_dtype="bf16", static_cache=args.static_cache)
+    budget = pacs.plan_budget("cuda", pacs.device_memory("cuda")) - 2 * n_params  # the weights load after this
+    fits = [rows for rows in (2 ** i for i in range(13)) if sum(
+        v for k, v in pacs.memory_plan(cfg, config, n_params, "cuda", 1, rows).items()
+        if k.startswith(("KV cache of one", "generate"))) <= budget]
+    return max(fits[-1] if fits else 1, 1)
+
+
 def check_run_config(args, has_rows):
     """config.json holds the sample settings of the rows in samples.jsonl; a rerun with other settings is
     refused. With no rows yet (say a typo in --model) the new settings simply replace it."""
@@ -286,13 +309,24 @@ def check_run_config(args, has_rows):
         if diff:
             raise ConfigError(f"{args.out} holds samples taken with other settings ({'; '.join(diff)}); "
                               "use another --out")
-    else:
-        with open(path, "w") as f:
-            json.dump(mine, f, indent=2)
+        with open(path) as f:
+            return json.load(f).get("batch_size")  # the batch size the rows were sampled at (None: not saved)
+    with open(path, "w") as f:
+        json.dump(mine, f, indent=2)
+    return None
+
+
+def save_batch_size(args):
+    """config.json records the batch size the rows are sampled at, which a resumed --batch-size 0 run reuses."""
+    path = os.path.join(args.out, "config.json")
+    with open(path) as f:
+        saved = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**saved, "batch_size": args.batch_size}, f, indent=2)
 
 
 def evaluate(args):
-    for flag, ok in (("n", args.n >= 1), ("batch-size", args.batch_size >= 1), ("limit", args.limit >= 0),
+    for flag, ok in (("n", args.n >= 1), ("batch-size", args.batch_size >= 0), ("limit", args.limit >= 0),
                      ("temperature", args.temperature > 0), ("top-p", 0 < args.top_p <= 1),
                      ("max-new-tokens", args.max_new_tokens >= 1), ("device", args.device in ("auto", "cpu", "cuda"))):
         if not ok:
@@ -304,8 +338,19 @@ def evaluate(args):
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "samples.jsonl")
     done = read_finished(path)
-    check_run_config(args, bool(done))
-
+    saved_batch_size = check_run_config(args, bool(done))
+    total = sum(len(p) for p in data.values())
+    model = None
+    if len(done) < total:
+        device = pacs.resolve_device(args.device)
+        model, tokenizer = pacs.load_model(args.model, device, torch.bfloat16 if device.type == "cuda" else
+                                           torch.float32)
+        prompt_tokens = max(len(tokenizer(pacs.build_prompt(tokenizer, p["problem"]), add_special_tokens=False)
+                                ["input_ids"]) for problems in data.values() for p in problems)
+        cache_tokens = prompt_tokens + args.max_new_tokens if args.static_cache else 0
+        if args.batch_size == 0:
+            args.batch_size = planned_batch_size(args, device, prompt_tokens, saved_batch_size)
+        save_batch_size(args)
     # Batches are fixed chunks of the full list (finished problems included) and seeded by their first
     # problem, so a resumed run forms the same batches and samples an unfinished problem exactly as an
     # uninterrupted run would. A batch is redone only if some problem in it has no row yet.
@@ -313,29 +358,36 @@ def evaluate(args):
     todo = [(name, problems[s:s + per_batch]) for name, problems in data.items()
             for s in range(0, len(problems), per_batch)
             if any((name, p["id"]) not in done for p in problems[s:s + per_batch])]
-    total = sum(len(p) for p in data.values())
     if todo:
-        device = pacs.resolve_device(args.device)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model, tokenizer = pacs.load_model(args.model, device, dtype)
+        pacs.set_verify_workers(0)  # the verifier over one process per core for a batch of 64 answers or more
         left = sum(1 for name, b in todo for p in b if (name, p["id"]) not in done)
         print(f"[eval] {args.model} on {device} | {total - left} of {total} problems done | "
-              f"n={args.n}, T={args.temperature}, top_p={args.top_p}", file=sys.stderr)
+              f"n={args.n}, T={args.temperature}, top_p={args.top_p} | {per_batch} problems x {args.n} per batch",
+              file=sys.stderr)
         bar = tqdm(total=total, initial=total - left, unit="problem", desc="eval", dynamic_ncols=True)
         with open(path, "a", encoding="utf-8") as f:
-            for name, batch in todo:
+            for i, (name, batch) in enumerate(todo):
+                t0 = time.time()
                 torch.manual_seed(batch_seed(args.seed, name, batch[0]["id"]))
-                for p, (texts, lengths, trunc) in zip(batch, sample_batch(model, tokenizer, batch, args)):
+                samples = sample_batch(model, tokenizer, batch, args, cache_tokens)
+                t_sample = time.time()
+                correct = pacs.reward_fn([t for texts, _, _ in samples for t in texts],
+                                         [p["answer"] for p, (texts, _, _) in zip(batch, samples) for _ in texts])
+                for j, (p, (texts, lengths, trunc)) in enumerate(zip(batch, samples)):
                     if (name, p["id"]) in done:  # finished before a kill: keep the stored row
                         continue
                     row = {"dataset": name, "id": p["id"], "problem": p["problem"], "gold": p["answer"],
                            "responses": texts, "extracted": [extract_answer(t) for t in texts],
-                           "correct": [bool(verify(t, p["answer"])) for t in texts],
+                           "correct": [bool(c) for c in correct[j * args.n:(j + 1) * args.n].tolist()],
                            "lengths": lengths, "truncated": trunc}
                     append_row(f, row)
                     done[(name, p["id"])] = row
                     bar.update(1)
+                tqdm.write(f"[eval] batch {i + 1}/{len(todo)} ({name}): {len(batch)} problems x {args.n} in "
+                           f"{time.time() - t0:.1f} s (generate {t_sample - t0:.1f}, verify "
+                           f"{time.time() - t_sample:.1f})", file=sys.stderr)
         bar.close()
+        pacs.stop_verify_workers()
 
     # metrics from the stored rows only, in dataset order: independent of batching, kills and reruns
     metrics = {"model": args.model, **{k: getattr(args, k) for k in SAMPLE_KEYS if k != "model"},

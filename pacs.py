@@ -136,6 +136,13 @@ class Config:
     plan_only: bool = flag(False, "print the memory plan (needs only the model's config.json) and exit")
     save_minutes: float = flag(15.0, "also checkpoint when this many minutes passed since the last one "
                                "(0 = off)")
+    # speed levers (docs/gpu.md: each exact, each measured by the prepared GPU check)
+    verify_workers: int = flag(0, "processes that verify a step's answers (0: one per core, at most 16, "
+                               "for 64 answers or more; 1: in this process)")
+    pack_groups: bool = flag(False, "memory plan: micro-batches of several whole groups (up to a "
+                             "mini-batch) where they fit; off: at most one group")
+    static_cache: bool = flag(False, "generate into a KV cache of fixed size (prompt + response limits), "
+                              "whose decode step transformers compiles on CUDA (CUDA graphs)")
 
     def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
         loss_agg, max_grad_norm = OFFICIAL_PER_ALGO.get(self.algo, (None, 0.0))
@@ -404,7 +411,8 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     prompts = [build_prompt(tokenizer, p["problem"]) for p in batch]
     # ---- 1. sample: G responses per prompt from pi_old (PACS in ten lines: 1) ---------------------------
     roll = sample(rollout_model or model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                  batch_prompts=sizes.gen_batch_prompts, on_smaller=lambda n: setattr(sizes, "gen_batch_prompts", n))
+                  batch_prompts=sizes.gen_batch_prompts, on_smaller=lambda n: setattr(sizes, "gen_batch_prompts", n),
+                  cache_tokens=cache_tokens(cfg))
     roll = {k: v.to(device) for k, v in roll.items()}
     t_gen = time.time()
     # ---- 2. verify: R in {0, 1} per response (ten lines: 2) ---------------------------------------------
@@ -552,6 +560,7 @@ def train(cfg):
         model_config = load_model_config(cfg.model)
         return plan_memory(cfg, model_config, count_parameters(model_config), device.type)
     os.makedirs(cfg.out_dir, exist_ok=True)
+    set_verify_workers(cfg.verify_workers)
     resume_from = latest_checkpoint(cfg.out_dir) if cfg.resume else None
     if cfg.resume and resume_from is None:
         print(f"[resume] no checkpoint in {cfg.out_dir}: starting from step 0", file=sys.stderr)
@@ -612,17 +621,21 @@ def train(cfg):
     print(f"[pacs] {cfg.algo} | model {cfg.model} on {device} | {len(problems)} prompts | "
           f"{cfg.prompts_per_step} x {cfg.group_size} samples/step, {cfg.num_mini_batches} updates/step",
           file=sys.stderr)
-    last_save = time.time()
+    last_save, time_save = time.time(), 0.0
     for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True):
         ref_is_old = reset_reference(cfg, step, model, ref_model, optimizer)
         metrics, examples = train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model,
                                        critic, critic_optimizer, None if ref_is_old else ref_model, sizes)
+        t0 = time.time()
         if rollout_model is not model:
             copy_weights(rollout_model, model)
         last = step == cfg.steps - 1
         if eval_problems and (step % cfg.eval_every == 0 or last):
             metrics["eval_acc"] = greedy_accuracy(rollout_model, tokenizer, eval_problems, cfg.max_new_tokens,
-                                                  sizes.gen_batch_prompts)
+                                                  eval_batch_prompts(cfg, sizes, device), cache_tokens(cfg))
+        # outside the step: the weights' copy and the held-out eval, and the checkpoint written after the last step
+        metrics.update(time_eval=time.time() - t0, time_save=time_save)
+        time_save = 0.0
         tqdm_write(step_line(metrics))
         with open(metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
@@ -633,8 +646,12 @@ def train(cfg):
             tqdm_write(f"  sample (R={e['reward']:.0f}, gold {e['answer']}): {e['response'][:200]!r}")
         overdue = cfg.save_minutes > 0 and time.time() - last_save >= 60 * cfg.save_minutes
         if (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0) or overdue or last:
+            t0 = time.time()
             save_checkpoint(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer, ref_model, sizes)
             last_save = time.time()
+            time_save = last_save - t0
+            print(f"[save] checkpoint-{step:06d} in {time_save:.1f} s", file=sys.stderr)
+    stop_verify_workers()
     return model
 
 
@@ -703,8 +720,46 @@ def step_metrics(step, roll, rewards, mask, group_size, entropy_sum, losses, gra
 
 
 def reward_fn(responses, answers):
-    """R in {0, 1}: the rule-based verifier's verdict on each response."""
-    return torch.tensor([float(verify(r, a)) for r, a in zip(responses, answers)])
+    """R in {0, 1}: the rule-based verifier's verdict on each response, over the verifier's worker processes when
+    set_verify_workers started them (the same verdicts: verify is a pure function with its own time limits)."""
+    pool = VERIFIER["pool"] if len(responses) >= VERIFIER["min_answers"] else None
+    if pool is None:
+        return torch.tensor([float(verify(r, a)) for r, a in zip(responses, answers)])
+    chunk = -(-len(responses) // (4 * VERIFIER["workers"]))  # four chunks a worker: balanced, few round trips
+    return torch.tensor([float(v) for v in pool.starmap(verify, zip(responses, answers), chunksize=chunk)])
+
+
+VERIFIER = {"pool": None, "workers": 1, "min_answers": 64}  # the run's verifier processes (set_verify_workers)
+
+
+def ignore_sigint():
+    """A verifier worker's initializer: Ctrl-C is the trainer's to handle (it ends the pool on its way out)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def set_verify_workers(workers):
+    """--verify-workers: a pool of processes for reward_fn, used for 64 answers or more (fewer verify faster in
+    this process). 0: one per core this process may use, at most 16; 1: no pool. The pool starts from a forkserver
+    (no CUDA state or torch threads inherited) and is ended at exit, Ctrl-C included. Returns the worker count."""
+    import atexit
+    import multiprocessing
+    n = min(len(os.sched_getaffinity(0)), 16) if workers == 0 else workers
+    if VERIFIER["pool"] is not None and VERIFIER["workers"] == n:
+        return n
+    stop_verify_workers()
+    if n > 1:
+        VERIFIER["pool"] = multiprocessing.get_context("forkserver").Pool(n, initializer=ignore_sigint)
+        atexit.register(stop_verify_workers)
+    VERIFIER["workers"] = n
+    return n
+
+
+def stop_verify_workers():
+    pool, VERIFIER["pool"], VERIFIER["workers"] = VERIFIER["pool"], None, 1
+    if pool is not None:
+        pool.terminate()
+        pool.join()
 
 
 def loss_share(cfg, mask, sl, mini):
@@ -929,7 +984,9 @@ def step_line(m):
         line += (f" | critic auc {num('critic_auc', '.2f')} ev {num('explained_var', '+.2f')} "
                  f"vloss {num('value_loss', '.4f')}")
     if "eval_acc" in m:
-        line += f" | eval {m['eval_acc']:.3f}"
+        line += f" | eval {m['eval_acc']:.3f} ({m.get('time_eval', 0):.1f}s)"
+    if m.get("time_save"):
+        line += f" | saved {m['time_save']:.1f}s before"
     return line
 
 
@@ -1229,9 +1286,10 @@ def generate_exactly(model, generation_config, **inputs):
         model.generation_config = inherited
 
 
-def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad):
+def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad, cache_tokens=0):
     """One generate() call for a slice of prompts: (prompt_ids, prompt_mask, response_ids, response_mask,
-    truncated)."""
+    truncated). cache_tokens > 0 (--static-cache): a KV cache of that many tokens (or the prompts' + responses' if
+    longer), allocated once: no copy per token, and a shape transformers compiles the decode step for on CUDA."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     ids = enc["input_ids"].repeat_interleave(group_size, 0)  # (n*G, Lp)
     attn = enc["attention_mask"].repeat_interleave(group_size, 0)
@@ -1244,7 +1302,10 @@ def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad):
                     use_cache=True, logits_to_keep=1)
         check_finite(out.logits, "logits of generate's prefill", p_attn)
         cache = out.cache
-        cache.batch_repeat_interleave(group_size)
+        if not cache_tokens:
+            cache.batch_repeat_interleave(group_size)
+    if cache_tokens:
+        cache = static_cache(model, cache, group_size, max(cache_tokens, ids.shape[1] + gen_cfg.max_new_tokens))
     out = generate_exactly(model, gen_cfg, input_ids=ids, attention_mask=attn, cache=cache)  # (n*G, Lp+T)
     resp = out[:, ids.shape[1]:]  # (n*G, T)
     resp_mask, truncated = first_eos_mask(resp, eos)
@@ -1252,12 +1313,28 @@ def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad):
     return ids, attn, resp, resp_mask, truncated
 
 
+def static_cache(model, prefix, group_size, max_len):
+    """--static-cache: a StaticCache of max_len tokens, holding the prompts' prefix cache (a DynamicCache of one row
+    per prompt, or None) repeated for each prompt's group_size rows; generate() fills the rest in place."""
+    from transformers import StaticCache
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    if prefix is not None:
+        for src, dst in zip(prefix.layers, cache.layers):  # one layer's repeat at a time: no second full copy
+            keys, values = (t.repeat_interleave(group_size, 0) for t in (src.keys, src.values))  # (n*G, h, L, d)
+            dst.lazy_initialization(keys, values)
+            dst.keys[:, :, :keys.shape[2]].copy_(keys)
+            dst.values[:, :, :values.shape[2]].copy_(values)
+            dst.cumulative_length.fill_(keys.shape[2])
+    return cache
+
+
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, temperature=1.0, top_p=1.0,
-           greedy=False, batch_prompts=32, progress=False, on_smaller=None):
+           greedy=False, batch_prompts=32, progress=False, on_smaller=None, cache_tokens=0):
     """group_size responses per prompt, rows i*G..i*G+G-1 of prompt i: prompt_ids, prompt_mask (N, Lp) left-padded,
     response_ids (N, T) (pad after the first EOS), response_mask (N, T) (1 up to and including it), truncated (N,).
-    batch_prompts prompts per generate call (<= 0: all); out of memory it halves, and on_smaller(n) hears it."""
+    batch_prompts prompts per generate call (<= 0: all); out of memory it halves, and on_smaller(n) hears it.
+    cache_tokens: generate_groups' static cache (0: transformers' dynamic cache)."""
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id
     gen_cfg = rollout_generation_config(max_new_tokens, temperature, top_p, greedy, eos, pad)  # samples ~ pi_old
@@ -1267,7 +1344,8 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
     bar = tqdm(total=len(prompts), desc="generate", leave=False, disable=not progress)
     while s < len(prompts):
         try:
-            chunks.append(generate_groups(model, tokenizer, prompts[s:s + n], group_size, gen_cfg, eos, pad))
+            chunks.append(generate_groups(model, tokenizer, prompts[s:s + n], group_size, gen_cfg, eos, pad,
+                                          cache_tokens))
             bar.update(min(n, len(prompts) - s))
             s += n
             continue
@@ -1295,11 +1373,23 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
     }
 
 
-def greedy_accuracy(model, tokenizer, problems, max_new_tokens, batch_prompts=32):
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens, batch_prompts=32, cache_tokens=0):
     prompts = [build_prompt(tokenizer, p["problem"]) for p in problems]
-    roll = sample(model, tokenizer, prompts, 1, max_new_tokens, greedy=True, batch_prompts=batch_prompts)
+    roll = sample(model, tokenizer, prompts, 1, max_new_tokens, greedy=True, batch_prompts=batch_prompts,
+                  progress=True, cache_tokens=cache_tokens)
     texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
     return reward_fn(texts, [p["answer"] for p in problems]).double().mean().item()  # float64, as np.mean
+
+
+def eval_batch_prompts(cfg, sizes, device):
+    """Prompts per generate call of the held-out eval (one greedy row each): on CUDA the rows the memory plan gave a
+    training generate call (sizes.gen_batch_prompts x G), on the CPU sizes.gen_batch_prompts."""
+    return sizes.gen_batch_prompts * (cfg.group_size if device.type == "cuda" else 1)
+
+
+def cache_tokens(cfg):
+    """generate's static KV cache length under --static-cache (one shape for every call of the run), else 0."""
+    return cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.static_cache else 0
 
 
 def tqdm_write(msg):
@@ -1550,6 +1640,11 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         "KV cache of one generate call": gen_rows * (Lp + T) * kv_per_token * a_roll,
         "generate: sampling logits": gen_rows * V * 4 * 3,  # fp32 logits, processed logits, probabilities
         "generate: prefill": gen_batch_prompts * Lp * 3 * a_roll * c.intermediate_size,  # one layer's MLP at a time
+        # --static-cache: the prompts' prefix cache (one row per prompt) beside the static one it is copied into, and
+        # on CUDA the compiled decode step's own output logits (CUDA graphs keep their buffers between calls)
+        "generate: static cache extras": (gen_batch_prompts * Lp * kv_per_token * a_roll
+                                          + (gen_rows * V * a_roll if device_type == "cuda" else 0))
+        if cfg.static_cache else 0,
         # update phase
         "gradients (fp32)": 4 * n_params,
         "bf16 weight casts": 2 * (n_params - V * H) if a == 2 else 0,  # autocast's copies, held until backward
@@ -1634,7 +1729,8 @@ def plan_memory(cfg, model_config, n_params, device_type):
         fits = [d for d in range(1, P + 1) if P % d == 0 and plan(1, d)["peak: generate"] <= budget]
         sizes.gen_batch_prompts = fits[-1] if fits else 1
     if sizes.micro_batch_size == 0:  # whole groups when they fit (fastest), else a group split in rows
-        fits = [s for s in valid_micro_batch_sizes(cfg) if s <= G and plan(s, 1)["peak: update"] <= budget]
+        most = rows_per_mini_batch(cfg) if cfg.pack_groups else G  # --pack-groups: several groups per micro-batch
+        fits = [s for s in valid_micro_batch_sizes(cfg) if s <= most and plan(s, 1)["peak: update"] <= budget]
         sizes.micro_batch_size = fits[-1] if fits else 1
     parts = plan(sizes.micro_batch_size, sizes.gen_batch_prompts)
     print(format_plan(cfg, sizes, parts, device_type, total), file=sys.stderr)
@@ -1791,6 +1887,9 @@ def check_config(cfg):
         raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} must divide --group-size {cfg.group_size} or be "
                           f"a multiple of it that divides a mini-batch of "
                           f"{rows_per_mini_batch(cfg)} rows (0 = auto)")
+    if cfg.verify_workers < 0:
+        raise ConfigError(f"--verify-workers must be >= 0 (0 = one per core, 1 = this process), got "
+                          f"{cfg.verify_workers}")
     if cfg.gen_batch_prompts < 0:
         raise ConfigError(f"--gen-batch-prompts must be >= 0 (0 = auto), got {cfg.gen_batch_prompts}")
     if cfg.temperature <= 0:

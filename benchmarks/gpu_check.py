@@ -56,6 +56,9 @@ def prepare(dest, model_dir, data_dir, wheels, problems=1500):
                 for _, line in zip(range(problems), f):
                     row = json.loads(line)
                     out.write(json.dumps({k: row[k] for k in ("id", "problem", "answer")}) + "\n")
+    source = os.path.join(data_dir, "math500.jsonl")  # the held-out set of the README's commands end to end
+    if os.path.isfile(source):
+        shutil.copyfile(source, os.path.join(dest, "data", "math500.jsonl"))
     if wheels:
         folder = os.path.join(dest, "wheels")
         shutil.rmtree(folder, ignore_errors=True)  # one version of each: two stop the install there
@@ -271,53 +274,79 @@ def summary_rows(out):
             rows.append(("allocator", f"{p.get('alloc_conf')}; expandable segments in effect: "
                                       f"{p['expandable_segments']}; plan reads {_num(p.get('plan_memory_gib'), '.1f')}"
                                       f" of {_num(p.get('total_gib'), '.1f')} GiB"))
-    for name, what in (("psi_plain", "(a) psi_std at --lr 0, plain route"),
-                       ("psi_ckpt", "(a) psi_std at --lr 0, --gradient-checkpointing")):
+    for name, what in (("psi_levers", "psi_std at --lr 0, every lever on"),
+                       ("psi_ckpt", "psi_std at --lr 0, every lever on, --gradient-checkpointing")):
         r = load(name)
         if r is None:
-            rows.append((what, missing[name]))
+            rows.append((what, "FAIL: " + missing[name]))
         elif "error" in r:
             rows.append((what, f"FAIL: {r['error']}"))
         else:
-            ok = "pass" if r.get("psi_std_max") == 0 else "FAIL"
-            rows.append((what, f"{r.get('psi_std_max')} ({ok}; prompts {r.get('varied_prompts')}.."
-                               f"{r.get('prompt_tokens')} tokens, finite log-probs)"))
-    for name, what in (("step_default", "(b) default step"), ("step_22g", "(c) --memory-gib 22.5")):
-        r = load(name)
+            ok = "pass" if "psi_std_max" in r and r["psi_std_max"] == 0 else "FAIL"  # missing psi: FAIL
+            rows.append((what, f"{ok}: psi_std {r.get('psi_std_max')} (prompts {r.get('varied_prompts')}.."
+                               f"{r.get('prompt_tokens')} tokens, micro-batch {r.get('micro_batch_size')} rows)"))
+    steps = {}
+    for name, what in (("step_default", "default step, today's defaults"), ("step_levers", "default step, levers on"),
+                       ("step_22g", "--memory-gib 22.5, levers on")):
+        r = steps[name] = load(name)
         if r is None:
-            rows.append((what, missing[name]))
+            rows.append((what, "FAIL: " + missing[name]))
             continue
         if "error" in r:
             rows.append((what, f"FAIL: {r['error']}"))
             continue
-        rows.append((f"{what}: time", f"step {r['step_s']:.1f} s = generate {r['generate_s']:.1f} + old log-probs "
-                                      f"{r['old_logprobs_s']:.1f} + updates {r['update_s']:.1f}; "
-                                      f"{r['generated_tokens_per_s']:.0f} generated tokens/s; 300 steps "
-                                      f"{r['projected_run_h']:.1f} h"))
-        reserved = (f"; reserved {r['generate_reserved_bytes'] / 2 ** 30:.2f} / "
-                    f"{r['update_reserved_bytes'] / 2 ** 30:.2f} GiB" if "generate_reserved_bytes" in r else "")
-        rows.append((f"{what}: peaks", f"generate {r['generate_peak_gib']:.2f} GiB (plan "
-                                       f"{r['plan_generate_gib']:.2f}, x{r['generate_over_plan']:.3f}), update "
-                                       f"{r['update_peak_gib']:.2f} GiB (plan {r['plan_update_gib']:.2f}, "
-                                       f"x{r['update_over_plan']:.3f}){reserved}"))
-        rows.append((f"{what}: sizes", f"planned {r['planned_sizes']}, ended micro-batch {r['micro_batch_size']}, "
-                                       f"generate {r['gen_batch_prompts']} prompts/call; allocator retries "
-                                       f"{r.get('alloc_retries', '-')}, OOMs {r.get('ooms', '-')}, cap "
-                                       f"{_num(r.get('allocator_cap_gib'), '.2f')} GiB"))
-    r = load("lab")
-    if r is None:
-        rows.append(("(d) lab step", missing["lab"]))
-    else:
-        d, c = r.get("device", {}), r.get("cpu_1_core", {})
-        rows.append(("(d) lab step", f"device {_num(d.get('step_time'), '.2f')} s, one CPU core "
-                                     f"{_num(c.get('step_time'), '.2f')} s, x{_num(r.get('speedup'), '.1f')}"
-                     + "".join(f"; {arm}: {v['error']}" for arm, v in r.items()
-                               if isinstance(v, dict) and "error" in v)))
+        rows.append((f"{what}: time", f"step {r['step_s']:.1f} s = generate {r['generate_s']:.1f} + verify "
+                                      f"{r['verify_s']:.1f} + old log-probs {r['old_logprobs_s']:.1f} + updates "
+                                      f"{r['update_s']:.1f}; decode {_num(r.get('decode_ms_per_token'), '.1f')} ms "
+                                      f"a token; updates {_num(r.get('update_mfu') and 100 * r['update_mfu'], '.1f')}"
+                                      f"% "
+                                      f"of the card; compile {_num(r.get('compile_s'), '.0f')} s"))
+        over = [ph for ph in ("generate", "update") if r[f"{ph}_over_plan"] > 1]
+        rows.append((f"{what}: peaks", ("FAIL: over the plan" if over else "within the plan")
+                     + f": generate {r['generate_peak_gib']:.2f} GiB (plan {r['plan_generate_gib']:.2f}, "
+                       f"x{r['generate_over_plan']:.3f}), update {r['update_peak_gib']:.2f} GiB (plan "
+                       f"{r['plan_update_gib']:.2f}, x{r['update_over_plan']:.3f}); micro-batch "
+                       f"{r['micro_batch_size']} rows, {r['gen_batch_prompts']} prompts per generate call"))
+    base, levers = steps.get("step_default"), steps.get("step_levers")
+    if base and levers and "error" not in base and "error" not in levers:
+        ratio = lambda k: f"x{base[k] / levers[k]:.2f}" if levers[k] else "-"
+        rows.append(("levers: speed-up (same card, same call)",
+                     f"step {ratio('step_s')} | generate {ratio('generate_s')} (--static-cache) | verify "
+                     f"{ratio('verify_s')} (--verify-workers 0) | old log-probs {ratio('old_logprobs_s')} and "
+                     f"updates {ratio('update_s')} (--pack-groups)"))
+    for name in ("e2e_train", "e2e_resume", "e2e_eval"):
+        line = status.get(name, "did not run")
+        rows.append((f"README end to end: {name[4:]}", ("pass: " if line.startswith("exit 0") else "FAIL: ") + line))
+    e2e = os.path.join(out, "e2e_metrics.jsonl")
+    if os.path.isfile(e2e):
+        with open(e2e) as f:
+            for m in (json.loads(line) for line in f if line.strip()):
+                rows.append((f"README end to end: step {m['step']}",
+                             f"step {m['step_time']:.1f} s, eval {_num(m.get('time_eval'), '.1f')} s, checkpoint "
+                             f"before it {_num(m.get('time_save'), '.1f')} s"))
+    p = load("profile")
+    if p is not None:
+        busy = lambda v: _num(v["busy_share"] and 100 * v["busy_share"], ".0f")
+        phases = "; ".join(f"{k[5:]} {v['wall_s']:.2f} s, device busy {busy(v)}%"
+                           for k, v in p.get("phases", {}).items())
+        top = ", ".join(f"{k['name'][:40]} {100 * k['share']:.0f}%" for k in p.get("kernels", [])[:3])
+        rows.append(("profile", f"{phases} | top: {top}"))
     return rows
 
 
 def summary(out):
+    """summary.md (the table) and results.json (every step's JSON, and check.log's status lines, in one file)."""
     rows = summary_rows(out)
+    bundle = {"status": step_status(out)}
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".json") and name != "results.json":
+            with open(os.path.join(out, name)) as f:
+                try:
+                    bundle[name[:-5]] = json.load(f)
+                except ValueError:
+                    bundle[name[:-5]] = {"error": "not valid JSON"}
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(bundle, f, indent=1)
     width = max(len(w) for w, _ in rows)
     text = "\n".join([f"| {'check'.ljust(width)} | result |", f"|{'-' * (width + 2)}|---|"]
                      + [f"| {w.ljust(width)} | {v} |" for w, v in rows])

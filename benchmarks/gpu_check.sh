@@ -9,13 +9,18 @@
 # (a random-init stand-in of the exact shape is built from them) and MATH text for the prompts. Each step runs under
 # its own `timeout` and writes its JSON into OUT; a step that fails or times out is recorded and the next one runs.
 #   probe          versions, the card, SDPA's kernels on rows of padding, the allocator's settings
-#   (a) psi_plain  psi at --lr 0 on prompts of varied length (left padding): psi_std must be exactly 0
-#   (a) psi_ckpt   the same on the --gradient-checkpointing route
-#   (b) step_default   the default step: time split, tokens/s, generate and update peaks against the plan
-#   (c) step_22g   the same at --memory-gib 22.5 under a real allocator cap (a 24 GB card's limit), 64 prompts
-#   (d) lab        the lab's step on the device against one CPU core, if time remains
-# Then a summary table (OUT/summary.md). OUT ends up with 8 files: the 6 JSON, check.log (every step's output) and
-# summary.md (a GPU loan brings back at most 8).
+#   step_default   today's defaults at the default shape: time split, tokens/s, generate and update peaks vs the plan
+#   step_levers    the same with every speed lever on (--verify-workers 0 --pack-groups --static-cache)
+#   psi_levers     psi at --lr 0 with every lever on, prompts of varied length (left padding): psi_std exactly 0
+#   e2e_train, e2e_resume, e2e_eval   the README's commands end to end: 2 steps with a held-out eval and a
+#                  checkpoint each, a resumed step, eval.py on the checkpoint (each under its own time limit)
+#   profile        torch.profiler over a smaller default step's verify, old log-probs and updates
+#   psi_ckpt       psi at --lr 0 with every lever on, --gradient-checkpointing
+#   step_22g       every lever on at --memory-gib 22.5 under a real allocator cap (a 24 GB card's limit)
+# Each lever acts on one phase (verify, old log-probs and updates, generate): step_default against step_levers
+# gives each its ratio, phase by phase, on one card in one call. Then OUT/summary.md (a table with a verdict per
+# check: a missing or nonzero psi, a peak over its plan or a failed command reads FAIL) and OUT/results.json (every
+# step's JSON in one file: a GPU loan brings back at most 8 files).
 set -u
 usage="usage: bash benchmarks/gpu_check.sh OUT_DIR [--device cuda|cpu]"
 OUT=${1:?$usage}
@@ -72,33 +77,44 @@ step() {
 STANDIN=$SCRATCH/standin
 STEP=(benchmarks/gpu_step.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE"
       --warmup-steps 0 --timed-steps 1)
-# (a) puts several groups in a micro-batch: a group alone has no left padding (columns of padding in every row are
-# trimmed), prompts of unequal length side by side have. (c) runs half the default's prompts: the plan for 22.5 GiB
-# picks the same per-call shapes at 64 prompts as at 128 (64 prompts per generate call, 2 rows per micro-batch), so
-# the peaks are the same, in half the time.
+LEVERS=(--verify-workers 0 --pack-groups --static-cache)
+E2E=$SCRATCH/e2e
 if [ "$DEVICE" = cuda ]; then
     TINY=()
-    PSI=(--lr 0 --prompts-per-step 16 --micro-batch-size 32 --max-new-tokens 256 --varied-prompts 128
-         --expect-psi-zero)
     DEFAULT=()  # pacs.py's defaults: 128 prompts x 8, M = 4, 512 + 1024 tokens
+    PSI=(--lr 0 --prompts-per-step 16 --max-new-tokens 256 --varied-prompts 128 --expect-psi-zero)
+    PROFILE=(--prompts-per-step 32)
     SMALL_CARD=(--memory-gib 22.5 --prompts-per-step 64)
-    LAB=(--steps 2 --warmup 1)
+    TRAIN=(--prompts-per-step 16 --eval-size 32 --max-new-tokens 512)
+    EVAL=(--limit 32 --n 4 --k 1,2,4 --max-new-tokens 512)
 else  # the rehearsal: 2 small layers with the real vocabulary, a few rows and tokens
     TINY=(--tiny)
-    PSI=(--lr 0 --prompts-per-step 4 --group-size 2 --num-mini-batches 2 --micro-batch-size 4 --max-prompt-tokens 96
-         --max-new-tokens 4 --varied-prompts 60 --expect-psi-zero)
     DEFAULT=(--prompts-per-step 2 --group-size 2 --num-mini-batches 1 --max-prompt-tokens 64 --max-new-tokens 4)
+    PSI=(--lr 0 --prompts-per-step 4 --group-size 2 --num-mini-batches 2 --max-prompt-tokens 96 --max-new-tokens 4
+         --varied-prompts 60 --expect-psi-zero)
+    PROFILE=("${DEFAULT[@]}")
     SMALL_CARD=("${DEFAULT[@]}" --memory-gib 22.5)
-    LAB=(--steps 1 --warmup 0 --prompts 2 --group-size 2 --num-mini-batches 1 --max-new-tokens 4)
+    TRAIN=(--prompts-per-step 2 --group-size 2 --num-mini-batches 1 --eval-size 2 --max-new-tokens 4)
+    EVAL=(--limit 2 --n 2 --k 1,2 --max-new-tokens 4)
 fi
+# the README's train command, on the stand-in and the prepared MATH text, with an eval and a checkpoint every step
+README_TRAIN=(pacs.py --model "$STANDIN" --dataset math --data-dir "$GPU_DIR/data" --device "$DEVICE" "${TRAIN[@]}"
+              --eval-every 1 --save-every 1 --out-dir "$E2E/run")
 
 cd "$ROOT" || exit 2
 step probe 60 "$PY" benchmarks/gpu_check.py probe "$OUT/probe.json" --device "$DEVICE"
 step build 90 "$PY" benchmarks/gpu_check.py build "$STANDIN" --model-dir "$GPU_DIR/model" "${TINY[@]}"
-step psi_plain 75 "$PY" "${STEP[@]}" "${PSI[@]}" --json "$OUT/psi_plain.json"
-step psi_ckpt 75 "$PY" "${STEP[@]}" "${PSI[@]}" --gradient-checkpointing --json "$OUT/psi_ckpt.json"
 step step_default 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --json "$OUT/step_default.json"
-step step_22g 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --json "$OUT/step_22g.json"
-step lab 90 "$PY" benchmarks/gpu_check.py lab "$OUT/lab.json" --device "$DEVICE" "${LAB[@]}"
+step step_levers 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${LEVERS[@]}" --json "$OUT/step_levers.json"
+step psi_levers 100 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --json "$OUT/psi_levers.json"
+step e2e_train 110 "$PY" "${README_TRAIN[@]}" --steps 2
+step e2e_resume 80 "$PY" "${README_TRAIN[@]}" --steps 3 --resume
+cp "$E2E/run/metrics.jsonl" "$OUT/e2e_metrics.jsonl" 2>/dev/null
+step e2e_eval 60 "$PY" eval.py --model "$(ls -d "$E2E"/run/checkpoint-* | tail -1)" --datasets math500 --data-dir "$GPU_DIR/data" \
+    --device "$DEVICE" "${EVAL[@]}" --out "$E2E/eval"
+cp "$E2E/eval/metrics.json" "$OUT/e2e_eval.json" 2>/dev/null
+step profile 70 "$PY" "${STEP[@]}" "${PROFILE[@]}" --profile "$OUT/profile.json" --json "$OUT/step_profiled.json"
+step psi_ckpt 90 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --gradient-checkpointing --json "$OUT/psi_ckpt.json"
+step step_22g 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" "${LEVERS[@]}" --json "$OUT/step_22g.json"
 echo "== total ${SECONDS} s" | tee -a "$LOG"
 "$PY" benchmarks/gpu_check.py summary "$OUT"

@@ -29,6 +29,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -141,7 +142,7 @@ def update_flops(config, n_params, prompt_tokens, response_tokens, rows, groups)
     return 3 * forward
 
 
-def sample_full_length(sample, device, min_new_tokens, phase):
+def sample_full_length(sample, device, min_new_tokens, phase, on_return=None):
     """pacs.sample with every response forced to min_new_tokens (EOS banned before: the default run's worst case; its
     rollout_generation_config, which keeps samples from pi, is wrapped for the call), which records generate's peak
     into phase (and on CUDA its reserved peak) and then resets the peak, so that the peak read after train_step is the
@@ -161,8 +162,45 @@ def sample_full_length(sample, device, min_new_tokens, phase):
         if device.type == "cuda":
             phase["generate_reserved_bytes"] = torch.cuda.max_memory_reserved()
         reset_peak(device)
+        if on_return is not None:
+            on_return()
         return out
     return wrapped
+
+
+def start_profiler(device):
+    """A torch.profiler recording CPU ops and, on CUDA, kernels; started at once."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(activities=activities)
+    prof.__enter__()
+    return prof
+
+
+def profile_table(prof, metrics, device, top=25):
+    """{kernels: the `top` kernels (CUDA) or ops (CPU) by self time: name, calls, ms, share of all; phases: each
+    profiled phase's wall seconds and the seconds the device ran kernels in it (a low share: launch- or host-bound)},
+    from a profiler stopped after the step. The phases' windows follow train_step's own timings, counted back from
+    the profiled window's end."""
+    cuda = device.type == "cuda"
+    rows = [(e.key, e.count, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3)
+            for e in prof.key_averages()]
+    total = sum(ms for _, _, ms in rows) or 1.0
+    kernels = [{"name": name[:160], "calls": calls, "ms": ms, "share": ms / total}
+               for name, calls, ms in sorted(rows, key=lambda r: -r[2])[:top]]
+    events = [e for e in prof.events() if (e.device_type.name == "CUDA") == cuda and e.time_range.elapsed_us() > 0]
+    if not events:
+        return {"kernels": kernels, "phases": {}}
+    end = max(e.time_range.end for e in events)  # us: the window ends with the step's last kernel
+    phases, stop = {}, end
+    for name in ("time_update", "time_old_logprobs", "time_verify"):  # backwards from the end of the step
+        start = stop - metrics[name] * 1e6
+        busy = sum(min(e.time_range.end, stop) - max(e.time_range.start, start) for e in events
+                   if e.time_range.end > start and e.time_range.start < stop) / 1e6 if cuda else None
+        phases[name] = {"wall_s": metrics[name], "device_busy_s": busy,
+                        "busy_share": busy / metrics[name] if busy is not None and metrics[name] else None}
+        stop = start
+    return {"kernels": kernels, "kernel_ms_total": total, "phases": phases}
 
 
 def cap_allocator(memory_gib):
@@ -215,6 +253,9 @@ def main():
     ap.add_argument("--expect-psi-zero", action="store_true",
                     help="exit 1 unless every step's psi_std is exactly 0 (--lr 0: pi_theta == pi_old throughout)")
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--profile", default="", metavar="JSON",
+                    help="torch.profiler over the last timed step from the end of generate (verify, old log-probs, "
+                         "updates): the top kernels by CUDA time and each phase's GPU-busy share, into this JSON")
     ap.add_argument("--_build", default="", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
     if args._build:  # child process: build the stand-in (its memory never counts in the parent's peak)
@@ -263,8 +304,12 @@ def main():
         problems = fixed_length_prompts(tokenizer, cfg.prompts_per_step * n_steps, cfg.max_prompt_tokens,
                                         args.data_dir)
     optimizer = pacs.make_optimizer(cfg, model)
-    sample, phase = pacs.sample, {}
-    pacs.sample = sample_full_length(sample, device, cfg.max_new_tokens, phase)
+    sample, phase, profiler = pacs.sample, {}, {}
+
+    def profile_last_step():  # from the end of the last step's generate call to the end of its update
+        if args.profile and len(rows) == n_steps - 1 and "prof" not in profiler:
+            profiler["prof"] = start_profiler(device)
+    pacs.sample = sample_full_length(sample, device, cfg.max_new_tokens, phase, profile_last_step)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result = {"device": name, "torch": torch.__version__, "transformers": __import__("transformers").__version__,
               "params": n_params, "prompts": cfg.prompts_per_step, "group_size": cfg.group_size,
@@ -273,7 +318,15 @@ def main():
               "gradient_checkpointing": cfg.gradient_checkpointing, "memory_gib": cfg.memory_gib or None,
               "allocator_cap_fraction": cap[0] if cap else None,
               "allocator_cap_gib": cap[1] / pacs.GiB if cap else None, "planned_sizes": planned,
+              "levers": {k: getattr(cfg, k) for k in ("verify_workers", "pack_groups", "static_cache")},
               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    if cfg.static_cache:  # compile the decode step first, at the run's shapes (its first call would include it)
+        t0 = time.time()
+        batch = [pacs.build_prompt(tokenizer, p["problem"]) for p in problems[:sizes.gen_batch_prompts or None]]
+        sample(rollout_model, tokenizer, batch, cfg.group_size, 4, batch_prompts=sizes.gen_batch_prompts,
+               cache_tokens=pacs.cache_tokens(cfg))
+        result["compile_s"] = time.time() - t0
+        print(f"static cache: the decode step compiled (a 4-token generate call) in {result['compile_s']:.1f} s")
     rows = []
     for step in range(n_steps):
         reset_peak(device)
@@ -282,6 +335,11 @@ def main():
                                          sizes=sizes)
         except pacs.ConfigError as e:  # a non-finite log-prob, or out of memory at the smallest sizes
             fail(f"step {step}: {e}", args.json, {**result, "steps": rows})
+        if "prof" in profiler:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            profiler["prof"].__exit__(None, None, None)
+            profiler["table"] = profile_table(profiler.pop("prof"), metrics, device)
         if rollout_model is not model:
             pacs.copy_weights(rollout_model, model)
         metrics["update_peak_bytes"] = peak_bytes(device)  # old log-probs and the updates, since generate's reset
@@ -314,6 +372,7 @@ def main():
         "step_s": mean("step_time"), "generate_s": mean("time_generate"), "verify_s": mean("time_verify"),
         "old_logprobs_s": mean("time_old_logprobs"), "update_s": mean("time_update"),
         "generated_tokens_per_s": B * T / mean("time_generate"),
+        "decode_ms_per_token": 1e3 * mean("time_generate") / T,  # a step of B rows, prefill included
         "generate_peak_gib": gib(measured["generate"]), "update_peak_gib": gib(measured["update"]),
         "plan_generate_gib": gib(predicted["generate"]), "plan_update_gib": gib(predicted["update"]),
         "generate_over_plan": measured["generate"] / predicted["generate"],
@@ -356,6 +415,17 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**result, "steps": rows}, f, indent=2)
+    if args.profile and "table" in profiler:
+        table = profiler["table"]
+        with open(args.profile, "w") as f:
+            json.dump({"device": name, "settings": {k: result[k] for k in ("prompts", "group_size", "prompt_tokens",
+                                                                          "response_tokens", "micro_batch_size")},
+                       **table}, f, indent=2)
+        print(f"profile ({args.profile}): " + " | ".join(
+            f"{k[5:]} {v['wall_s']:.2f} s, device busy {100 * v['busy_share']:.0f}%" if v["busy_share"] is not None
+            else f"{k[5:]} {v['wall_s']:.2f} s" for k, v in table["phases"].items()))
+        for k in table["kernels"][:10]:
+            print(f"  {100 * k['share']:5.1f}%  {k['ms']:9.1f} ms  {k['calls']:7d}x  {k['name'][:90]}")
     if args.expect_psi_zero and any(v != 0 for v in psi):
         fail(f"psi_std {max(psi)} != 0 at --lr {cfg.lr}: the training forward and the old log-probs disagree", "",
              result)
