@@ -226,6 +226,29 @@ def allocator_state():
             "expandable_segments": expandable}
 
 
+def time_generate(args, cfg, sample, rollout_model, tokenizer, problems, sizes, device, result, n_steps):
+    """--generate-only: each step's prompts through pacs.sample alone, every response forced to full length; prints
+    and writes (--json) the seconds and ms per decoded token of each call."""
+    calls = []
+    for step in range(n_steps):
+        batch = [pacs.build_prompt(tokenizer, problems[i]["problem"])
+                 for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)]
+        forced = sample_full_length(sample, device, cfg.max_new_tokens, {})
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.time()
+        forced(rollout_model, tokenizer, batch, cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+               batch_prompts=sizes.gen_batch_prompts, cache_tokens=pacs.cache_tokens(cfg))
+        seconds = time.time() - t0
+        calls.append({"seconds": seconds, "ms_per_token": 1e3 * seconds / cfg.max_new_tokens,
+                      "rows": cfg.prompts_per_step * cfg.group_size})
+        print(f"generate {step}: {seconds:.2f} s, {calls[-1]['ms_per_token']:.2f} ms per token at "
+              f"{calls[-1]['rows']} rows (static cache: {cfg.static_cache})", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**result, "generate_calls": calls}, f, indent=2)
+
+
 def fail(message, path, result):
     """One line on stderr and exit 1; the results so far (with the error) still go to --json."""
     if path:
@@ -253,6 +276,8 @@ def main():
     ap.add_argument("--expect-psi-zero", action="store_true",
                     help="exit 1 unless every step's psi_std is exactly 0 (--lr 0: pi_theta == pi_old throughout)")
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--generate-only", action="store_true",
+                    help="time generate alone (each response forced to --max-new-tokens): decode ms per token")
     ap.add_argument("--profile", default="", metavar="JSON",
                     help="torch.profiler over the last timed step from the end of generate (verify, old log-probs, "
                          "updates): the top kernels by CUDA time and each phase's GPU-busy share, into this JSON")
@@ -327,6 +352,8 @@ def main():
                cache_tokens=pacs.cache_tokens(cfg))
         result["compile_s"] = time.time() - t0
         print(f"static cache: the decode step compiled (a 4-token generate call) in {result['compile_s']:.1f} s")
+    if args.generate_only:
+        return time_generate(args, cfg, sample, rollout_model, tokenizer, problems, sizes, device, result, n_steps)
     rows = []
     for step in range(n_steps):
         reset_peak(device)
