@@ -359,7 +359,6 @@ def evaluate(args):
             for s in range(0, len(problems), per_batch)
             if any((name, p["id"]) not in done for p in problems[s:s + per_batch])]
     if todo:
-        pacs.set_verify_workers(0)  # the verifier over one process per core for a batch of 64 answers or more
         left = sum(1 for name, b in todo for p in b if (name, p["id"]) not in done)
         print(f"[eval] {args.model} on {device} | {total - left} of {total} problems done | "
               f"n={args.n}, T={args.temperature}, top_p={args.top_p} | {per_batch} problems x {args.n} per batch",
@@ -387,7 +386,6 @@ def evaluate(args):
                            f"{time.time() - t0:.1f} s (generate {t_sample - t0:.1f}, verify "
                            f"{time.time() - t_sample:.1f})", file=sys.stderr)
         bar.close()
-        pacs.stop_verify_workers()
 
     # metrics from the stored rows only, in dataset order: independent of batching, kills and reruns
     metrics = {"model": args.model, **{k: getattr(args, k) for k in SAMPLE_KEYS if k != "model"},

@@ -137,8 +137,8 @@ class Config:
     save_minutes: float = flag(15.0, "also checkpoint when this many minutes passed since the last one "
                                "(0 = off)")
     # speed levers (docs/gpu.md: each exact, each measured by the prepared GPU check)
-    verify_workers: int = flag(0, "processes that verify a step's answers (0: one per core, at most 16, "
-                               "for 64 answers or more; 1: in this process)")
+    verify_workers: int = flag(1, "processes that verify a step's answers, for 64 answers or more (1: "
+                               "this process; 0: one per core, at most 16)")
     pack_groups: bool = flag(False, "memory plan: micro-batches of several whole groups (up to a "
                              "mini-batch) where they fit; off: at most one group")
     static_cache: bool = flag(False, "generate into a KV cache of fixed size (prompt + response limits), "
@@ -555,12 +555,13 @@ def train(cfg):
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
+    if not cfg.plan_only:  # --verify-workers: forked before CUDA starts and the model loads
+        set_verify_workers(cfg.verify_workers)
     device = pick_device(cfg)
     if cfg.plan_only:  # the plan needs the architecture only: config.json, no weights, no device
         model_config = load_model_config(cfg.model)
         return plan_memory(cfg, model_config, count_parameters(model_config), device.type)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    set_verify_workers(cfg.verify_workers)
     resume_from = latest_checkpoint(cfg.out_dir) if cfg.resume else None
     if cfg.resume and resume_from is None:
         print(f"[resume] no checkpoint in {cfg.out_dir}: starting from step 0", file=sys.stderr)
@@ -740,8 +741,9 @@ def ignore_sigint():
 
 def set_verify_workers(workers):
     """--verify-workers: a pool of processes for reward_fn, used for 64 answers or more (fewer verify faster in
-    this process). 0: one per core this process may use, at most 16; 1: no pool. The pool starts from a forkserver
-    (no CUDA state or torch threads inherited) and is ended at exit, Ctrl-C included. Returns the worker count."""
+    this process). 0: one per core this process may use, at most 16; 1: no pool. The workers are forked (a script
+    that calls pacs in-process needs no `__main__` guard) before the model loads, run only verify (never torch), and
+    are ended at exit, Ctrl-C included. Returns the worker count."""
     import atexit
     import multiprocessing
     n = min(len(os.sched_getaffinity(0)), 16) if workers == 0 else workers
@@ -749,7 +751,7 @@ def set_verify_workers(workers):
         return n
     stop_verify_workers()
     if n > 1:
-        VERIFIER["pool"] = multiprocessing.get_context("forkserver").Pool(n, initializer=ignore_sigint)
+        VERIFIER["pool"] = multiprocessing.get_context("fork").Pool(n, initializer=ignore_sigint)
         atexit.register(stop_verify_workers)
     VERIFIER["workers"] = n
     return n

@@ -304,7 +304,8 @@ def test_a_resume_continues_at_the_sizes_an_out_of_memory_retry_halved(digit_mod
         inputs["input_ids"].shape[0] // 4) or real_gen(model, config, **inputs))  # prompts per generate call
     resumed = run(digit_model, tmp_path / "part", "--steps", "3", "--resume")
     assert resumed[2]["micro_batch_size"] == 2 and calls == [2, 2]
-    timing = ("time_generate", "time_verify", "time_old_logprobs", "time_update", "step_time", "samples_per_s")
+    timing = ("time_generate", "time_verify", "time_old_logprobs", "time_update", "time_eval", "time_save", "step_time",
+              "samples_per_s")
     strip = lambda r: {k: v for k, v in r.items() if k not in timing}
     assert strip(resumed[2]) == strip(full[2])  # the samples and the update of the uninterrupted run
 
@@ -370,25 +371,33 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     log = (out / "check.log").read_text() if (out / "check.log").exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
     files = sorted(os.listdir(out))
-    assert files == ["check.log", "lab.json", "probe.json", "psi_ckpt.json", "psi_plain.json", "step_22g.json",
-                     "step_default.json", "summary.md"]  # 8 files: what a device call brings back
-    for name in ("probe", "build", "psi_plain", "psi_ckpt", "step_default", "step_22g", "lab"):
+    assert files == ["check.log", "e2e_eval.json", "e2e_metrics.jsonl", "probe.json", "profile.json", "psi_ckpt.json",
+                     "psi_levers.json", "results.json", "step_22g.json", "step_default.json", "step_levers.json",
+                     "step_profiled.json", "summary.md"]  # the run command brings back results.json and the text
+    for name in ("probe", "build", "step_default", "step_levers", "psi_levers", "e2e_train", "e2e_resume", "e2e_eval",
+                 "profile", "psi_ckpt", "step_22g"):
         assert f"== {name}: exit 0" in log, name
     load = lambda name: json.loads((out / f"{name}.json").read_text())
     assert load("probe")["missing_apis"] == [] and load("probe")["sdpa"]["MATH"]["padding_rows_finite"]
-    for name in ("psi_plain", "psi_ckpt"):
+    for name in ("psi_levers", "psi_ckpt"):
         r = load(name)
         assert r["psi_std_max"] == 0.0 and r["lr"] == 0.0 and r["varied_prompts"] == 60, name
-    assert load("psi_ckpt")["gradient_checkpointing"] and not load("psi_plain")["gradient_checkpointing"]
-    for name in ("step_default", "step_22g"):
+        assert r["levers"] == {"verify_workers": 0, "pack_groups": True, "static_cache": True}, name
+    assert load("psi_ckpt")["gradient_checkpointing"] and not load("psi_levers")["gradient_checkpointing"]
+    for name in ("step_default", "step_levers", "step_22g"):
         r = load(name)
         for key in ("generate_s", "old_logprobs_s", "update_s", "generated_tokens_per_s", "generate_peak_gib",
-                    "update_peak_gib", "plan_generate_gib", "plan_update_gib"):
+                    "update_peak_gib", "plan_generate_gib", "plan_update_gib", "decode_ms_per_token"):
             assert r[key] > 0, (name, key)
         assert r["steps"][0]["generate_peak_bytes"] > 0 and r["steps"][0]["update_peak_bytes"] > 0
+    assert load("step_levers")["compile_s"] > 0 and "compile_s" not in load("step_default")
     assert load("step_22g")["memory_gib"] == 22.5 and load("step_22g")["allocator_cap_gib"] is None  # CPU: no cap
-    lab = load("lab")
-    assert lab["device"]["step_time"] > 0 and lab["cpu_1_core"]["step_time"] > 0 and lab["speedup"] > 0
+    assert load("profile")["kernels"] and set(load("profile")["phases"]) == {"time_update", "time_old_logprobs",
+                                                                            "time_verify"}
+    rows = [json.loads(line) for line in (out / "e2e_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["time_save"] > 0 and "eval_acc" in rows[2]
+    assert set(load("results")) >= {"status", "probe", "step_default", "step_levers", "psi_levers", "e2e_eval"}
     summary = (out / "summary.md").read_text()
     assert summary == proc.stdout[proc.stdout.index("| check"):]
-    assert summary.count("(pass;") == 2 and "FAIL" not in summary and "no result" not in summary
+    assert summary.count("| pass: psi_std 0.0") == 2 and summary.count("| pass: exit 0") == 3
+    assert "FAIL" not in summary and "no result" not in summary

@@ -1,0 +1,219 @@
+"""The speed levers (docs/gpu.md), each exact where it claims to be: --static-cache samples what the dynamic cache
+samples, --verify-workers gives the in-process verdicts and leaves no process behind, --pack-groups lets the plan put
+several groups in a micro-batch, every step logs the time of its eval and of the checkpoint before it, eval.py sizes
+its batch from the memory plan on CUDA, and the prepared check's summary reads FAIL where a check failed."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from scipy import stats
+
+import eval as ev
+import pacs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+# ---- --static-cache ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("group_size,greedy", [(4, False), (1, True)])
+def test_static_cache_samples_what_the_dynamic_cache_samples(digit_model, group_size, greedy):
+    """Same seed, same tokens: the prompts' prefix cache copied into the static one (G > 1) or generate's own prefill
+    into it (G = 1), with prompts of unequal length (left padding), and the masks after EOS."""
+    model, tok = pacs.load_model(digit_model)
+    prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 + 40 = ?")]
+    rolls = []
+    for cache_tokens in (0, 80):
+        torch.manual_seed(0)
+        rolls.append(pacs.sample(model, tok, prompts, group_size, 12, 1.5, greedy=greedy, cache_tokens=cache_tokens))
+    for key in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "truncated"):
+        assert torch.equal(rolls[0][key], rolls[1][key]), key
+
+
+def test_static_cache_samples_the_models_distribution(digit_model):
+    """A chi-squared test of 4,000 first tokens sampled through the static cache (its prefix copied from the shared
+    prefill) against the softmax of a plain forward over the prompt."""
+    model, tok = pacs.load_model(digit_model)
+    prompt = pacs.build_prompt(tok, "12 + 3 =")
+    torch.manual_seed(1)
+    roll = pacs.sample(model, tok, [prompt], 4000, 1, 1.0, batch_prompts=1, cache_tokens=40)
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        p = torch.softmax(model(input_ids=ids).logits[0, -1].double(), -1)
+    counts = torch.bincount(roll["response_ids"][:, 0], minlength=len(p)).double()
+    keep = p * 4000 >= 5  # chi-squared's rule: expected counts of 5 or more; the rest pooled into one cell
+    observed = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)])
+    expected = torch.cat([p[keep], p[~keep].sum(0, keepdim=True)]) * 4000
+    if expected[-1] < 5:  # the pooled cell too small to test on its own: fold it into the largest
+        observed, expected = observed[:-1].clone(), expected[:-1].clone()
+        observed[expected.argmax()] += counts[~keep].sum()
+        expected[expected.argmax()] += p[~keep].sum() * 4000
+    assert stats.chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_static_cache_length_is_one_shape_for_the_run():
+    assert pacs.cache_tokens(pacs.Config(max_prompt_tokens=512, max_new_tokens=1024, static_cache=True)) == 1536
+    assert pacs.cache_tokens(pacs.Config()) == 0  # off by default: the dynamic cache
+
+
+def test_static_cache_is_priced_by_the_plan():
+    from transformers import Qwen2Config
+    c = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+    plan = lambda **k: pacs.memory_plan(pacs.Config(**k), c, 100_000, "cuda", 8, 4)
+    extra = plan(static_cache=True)["generate: static cache extras"]
+    assert plan()["generate: static cache extras"] == 0 and extra > 0
+    assert plan(static_cache=True)["peak: generate"] == plan()["peak: generate"] + extra
+
+
+# ---- --verify-workers --------------------------------------------------------------------------------------------
+def verify_cases(n):
+    with open(os.path.join(ROOT, "tests", "verify_cases.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r["response"] for r in rows[:n]], [r["answer"] for r in rows[:n]]
+
+
+def test_verifier_workers_give_the_in_process_verdicts():
+    responses, answers = verify_cases(160)
+    serial = pacs.reward_fn(responses, answers)
+    try:
+        assert pacs.set_verify_workers(2) == 2 and pacs.VERIFIER["pool"] is not None
+        assert torch.equal(pacs.reward_fn(responses, answers), serial)
+    finally:
+        pacs.stop_verify_workers()
+    assert pacs.VERIFIER["pool"] is None and pacs.set_verify_workers(1) == 1 and pacs.VERIFIER["pool"] is None
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+
+
+@pytest.mark.parametrize("ending", ["exit", "ctrl-c"])
+def test_verifier_workers_leave_no_process_behind(tmp_path, ending):
+    """A process that started a pool of verifier workers, then exits normally or is interrupted (SIGINT to its
+    process group, as Ctrl-C sends it) while they work: every worker and the forkserver are gone shortly after."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, signal, sys, threading
+        sys.path.insert(0, {ROOT!r})
+        import pacs
+        pacs.set_verify_workers(2)
+        pool = pacs.VERIFIER["pool"]
+        pids = [p.pid for p in pool._pool]
+        with open(os.path.join({ROOT!r}, "tests", "verify_cases.jsonl")) as f:
+            rows = [json.loads(line) for line in f][:200]
+        pacs.reward_fn([r["response"] for r in rows], [r["answer"] for r in rows])  # the workers are up
+        print(json.dumps(pids), flush=True)
+        if {ending!r} == "ctrl-c":
+            threading.Timer(0.2, lambda: os.killpg(os.getpgid(0), signal.SIGINT)).start()  # as a terminal does
+            while True:
+                pacs.reward_fn([r["response"] for r in rows] * 4, [r["answer"] for r in rows] * 4)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          start_new_session=True)  # its own process group, which the SIGINT goes to
+    pids = json.loads(proc.stdout.splitlines()[0])
+    assert len(pids) == 2
+    if ending == "ctrl-c":
+        assert "KeyboardInterrupt" in proc.stderr and proc.returncode != 0
+    deadline = time.time() + 10
+    while any(alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)
+
+
+def test_verify_workers_flag_is_checked():
+    with pytest.raises(pacs.ConfigError, match="--verify-workers must be >= 0"):
+        pacs.check_config(pacs.Config(verify_workers=-1))
+
+
+# ---- --pack-groups -----------------------------------------------------------------------------------------------
+def test_pack_groups_lets_the_plan_put_several_groups_in_a_micro_batch(capsys):
+    from transformers import Qwen2Config
+    c = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+    cfg = dict(prompts_per_step=16, group_size=4, num_mini_batches=2, max_prompt_tokens=32, max_new_tokens=32,
+               memory_gib=8)
+    one, _ = pacs.plan_memory(pacs.Config(**cfg), c, 100_000, "cuda")
+    packed, _ = pacs.plan_memory(pacs.Config(**cfg, pack_groups=True), c, 100_000, "cuda")
+    assert one.micro_batch_size == 4 and packed.micro_batch_size == 32  # a whole mini-batch: 8 prompts x 4
+    peak = lambda rows: pacs.memory_plan(pacs.Config(**cfg), c, 100_000, "cuda", rows, 1)["peak: update"]
+    budget = (peak(16) + peak(32)) / 2  # 16 rows fit, 32 do not
+    gib = (budget / 0.9 + pacs.CUDA_CONTEXT) / pacs.GiB
+    tight, _ = pacs.plan_memory(pacs.Config(**{**cfg, "memory_gib": gib}, pack_groups=True), c, 100_000, "cuda")
+    assert tight.micro_batch_size == 16  # as many groups as the budget fits
+
+
+# ---- time outside the step ---------------------------------------------------------------------------------------
+def test_each_step_logs_its_eval_and_the_checkpoint_before_it(digit_model, const7_file, tmp_path, capsys):
+    pacs.main(["--model", digit_model, "--dataset", const7_file, "--eval-dataset", const7_file, "--out-dir",
+               str(tmp_path), "--group-size", "4", "--prompts-per-step", "2", "--num-mini-batches", "1",
+               "--max-new-tokens", "2", "--steps", "3", "--eval-every", "2", "--eval-size", "2", "--save-every", "1",
+               "--log-samples-every", "0"])
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["time_save"] > 0 for r in rows] == [False, True, True]  # the checkpoints after steps 0 and 1
+    assert all(r["time_eval"] >= 0 for r in rows) and "eval_acc" in rows[0] and "eval_acc" not in rows[1]
+    out = capsys.readouterr()
+    assert "saved" in out.out and "[save] checkpoint-000000 in" in out.err
+
+
+# ---- eval.py's batch -----------------------------------------------------------------------------------------------
+def test_eval_batch_size_comes_from_the_plan_on_cuda_and_stays_on_resume(monkeypatch, tmp_path):
+    from transformers import Qwen2Config
+    args = ev.EvalConfig(model="m", max_new_tokens=512, n=4)
+    assert ev.planned_batch_size(args, torch.device("cpu"), 100, None) == 64
+    assert ev.planned_batch_size(args, torch.device("cuda"), 100, 256) == 256  # the first run's, on resume
+    c = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                    num_attention_heads=14, num_key_value_heads=2)
+    monkeypatch.setattr(pacs, "load_model_config", lambda name: c)
+    monkeypatch.setattr(pacs, "count_parameters", lambda config: 494_032_768)
+    sizes = {}
+    for gib in (22.5, 80):
+        monkeypatch.setattr(pacs, "device_memory", lambda device_type, memory_gib=0.0: gib * pacs.GiB)
+        sizes[gib] = ev.planned_batch_size(args, torch.device("cuda"), 300, None)
+        cfg = pacs.Config(group_size=1, max_prompt_tokens=300, max_new_tokens=512, rollout_dtype="bf16")
+        need = lambda rows: sum(v for k, v in pacs.memory_plan(cfg, c, 494_032_768, "cuda", 1, rows).items()
+                                if k.startswith(("KV cache of one", "generate")))
+        budget = pacs.plan_budget("cuda", gib * pacs.GiB) - 2 * 494_032_768
+        assert need(sizes[gib]) <= budget < need(2 * sizes[gib])  # the most that fit, in powers of two
+    assert 64 < sizes[22.5] < sizes[80]
+
+
+# ---- the prepared check's verdicts ---------------------------------------------------------------------------------
+def write(path, obj):
+    path.write_text(json.dumps(obj))
+
+
+def step_json(**over):
+    r = {"step_s": 10.0, "generate_s": 4.0, "verify_s": 1.0, "old_logprobs_s": 1.0, "update_s": 4.0,
+         "generate_peak_gib": 1.0, "plan_generate_gib": 2.0, "generate_over_plan": 0.5, "update_peak_gib": 1.0,
+         "plan_update_gib": 2.0, "update_over_plan": 0.5, "micro_batch_size": 8, "gen_batch_prompts": 4}
+    return {**r, **over}
+
+
+def test_the_checks_summary_reads_fail_for_a_missing_or_nonzero_psi_and_a_peak_over_its_plan(tmp_path):
+    import gpu_check
+    write(tmp_path / "psi_levers.json", {"varied_prompts": 128, "prompt_tokens": 512})  # psi missing
+    write(tmp_path / "psi_ckpt.json", {"psi_std_max": 1e-4})  # psi nonzero
+    write(tmp_path / "step_default.json", step_json(update_over_plan=1.02, update_peak_gib=2.04))  # over the plan
+    write(tmp_path / "step_levers.json", step_json())
+    rows = dict(gpu_check.summary_rows(str(tmp_path)))
+    assert rows["psi_std at --lr 0, every lever on"].startswith("FAIL")
+    assert rows["psi_std at --lr 0, every lever on, --gradient-checkpointing"].startswith("FAIL")
+    assert rows["default step, today's defaults: peaks"].startswith("FAIL: over the plan")
+    assert rows["default step, levers on: peaks"].startswith("within the plan")
+    assert rows["--memory-gib 22.5, levers on"].startswith("FAIL: no result")  # no JSON at all
+    assert rows["README end to end: train"].startswith("FAIL")  # did not run
+    write(tmp_path / "psi_levers.json", {"psi_std_max": 0.0})
+    assert dict(gpu_check.summary_rows(str(tmp_path)))["psi_std at --lr 0, every lever on"].startswith("pass")
