@@ -65,9 +65,14 @@ import pacs  # noqa: E402  (the loss: pacs.pacs_loss, one source of truth)
 
 ADV_ESTIMATOR = "pacs_label"
 ESTIMATORS = ("rloo", "grpo", "drgrpo", "none")
-# what the estimator reads from the trainer config beside its own node (actor_rollout_ref.actor and the rollout)
+# what the estimator reads from the trainer config beside its own node: the actor's settings (ACTOR_KEYS, which the
+# loss also sees), the rollout's group size, and how the trainer orders and dispatches rows (TRAINER_KEYS)
 ACTOR_KEYS = ("shuffle", "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_mini_batch_size", "ppo_epochs",
               "use_kl_loss", "entropy_coeff", "rollout_n")
+TRAINER_KEYS = {"use_v1": "trainer.use_v1", "balance_batch": "trainer.balance_batch",
+                "n_gpus_per_node": "trainer.n_gpus_per_node", "nnodes": "trainer.nnodes",
+                "sp": "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+                "fsdp_sp": "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"}
 
 
 def check_actor_config(config):
@@ -131,13 +136,33 @@ def register(name, beta=1.0, estimator="rloo", balance=True):
     return register_policy_loss(name)(pacs_policy_loss)
 
 
+def check_trainer_config(settings, prompts):
+    """One-line ValueError for a trainer setting (a dict of ACTOR_KEYS and TRAINER_KEYS) that reorders rows or
+    splits a group across data-parallel ranks, for a rollout of `prompts` groups. verl's dispatch hands rank r the
+    r-th contiguous share of the rollout; each rank cuts its share into mini-batches of ppo_mini_batch_size / ranks
+    prompts."""
+    dp = settings["n_gpus_per_node"] * settings["nnodes"] // max(settings["sp"], settings["fsdp_sp"])
+    if settings["use_v1"] and dp > 1:
+        raise ValueError(f"trainer.use_v1=True on {dp} data-parallel ranks: the V1 trainer balances every batch "
+                         "across ranks by length, splitting groups: set trainer.use_v1=False and balance_batch=False")
+    if not settings["use_v1"] and settings["balance_batch"]:
+        raise ValueError("trainer.balance_batch=True reorders rows by length, splitting groups: set it to False")
+    if settings["ppo_mini_batch_size"] % dp:
+        raise ValueError(f"actor_rollout_ref.actor.ppo_mini_batch_size={settings['ppo_mini_batch_size']} is not a "
+                         f"multiple of the {dp} data-parallel ranks: a group would be split across ranks")
+    if prompts % dp:
+        raise ValueError(f"a rollout of {prompts} prompts on {dp} data-parallel ranks: verl's dispatch would split "
+                         "a group across ranks (data.train_batch_size must be a multiple of the ranks)")
+
+
 def trainer_settings(algorithm_config):
-    """ACTOR_KEYS of actor_rollout_ref.actor, read through the algorithm node's trainer config (the estimator is
-    given only its own node); None when that node is not part of a full config (a dataclass, a bare dict)."""
+    """ACTOR_KEYS and TRAINER_KEYS, read through the algorithm node's trainer config (the estimator is given only
+    its own node); None when that node is not part of a full config (a dataclass, a bare dict)."""
     if not isinstance(algorithm_config, DictConfig):
         return None
     paths = {k: f"actor_rollout_ref.actor.{k}" for k in ACTOR_KEYS if k != "rollout_n"}
     paths["rollout_n"] = "actor_rollout_ref.rollout.n"
+    paths.update(TRAINER_KEYS)
     # a node created under `parent` resolves ${...} from the parent's root: the whole trainer config
     view = OmegaConf.create({k: "${oc.select:" + p + ",null}" for k, p in paths.items()}, parent=algorithm_config)
     settings = OmegaConf.to_container(view, resolve=True)
@@ -163,9 +188,10 @@ def pacs_label_advantage(token_level_rewards, response_mask, index=None, config=
     blocks = [uids[i:i + G] for i in range(0, B, G)]
     if B % G or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
         raise ValueError(f"the {B} rows are not groups of {G} adjacent rows per prompt (uid): verl reordered them "
-                         "(with several data-parallel ranks the V1 trainer's balancing splits groups)")
+                         "(its balancing by length: trainer.balance_batch, or the V1 trainer on several ranks)")
     if settings:
         check_actor_config(settings)
+        check_trainer_config(settings, B // G)
         if B // G <= settings["ppo_mini_batch_size"] and settings["ppo_epochs"] == 1:
             raise ValueError(f"one optimizer step per rollout ({B // G} prompts, actor.ppo_mini_batch_size="
                              f"{settings['ppo_mini_batch_size']}): psi = 0 on every step and the critic never acts; "
