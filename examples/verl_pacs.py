@@ -16,13 +16,17 @@ between that and PACS, and each is handled here:
    rows i*G .. i*G+G-1 as one group. What reorders rows is refused with one line: `actor.shuffle=True` and
    `actor.use_dynamic_bsz=True` (seen by the loss, in the actor config every call gets, and by the estimator);
    a micro-batch that is not a multiple of G; a rollout whose groups are not in adjacent aligned blocks of G rows
-   (seen by the estimator from the uid of each row: the V1 trainer balances every batch across data-parallel
-   ranks, which splits groups when there are several ranks).
+   (seen by the estimator from the uid of each row). With N data-parallel ranks, verl's dispatch hands rank r the
+   r-th contiguous share of the rollout, and each rank cuts its share into mini-batches of ppo_mini_batch_size / N
+   prompts: mini-batch m is every rank's m-th block of groups, each group whole on one rank. The estimator refuses,
+   from the trainer config, what splits a group across ranks: the V1 trainer on several ranks (it balances every
+   batch across ranks by length), trainer.balance_batch=True, a ppo_mini_batch_size or a rollout not a multiple of N.
 3. Loss scaling. The engine sums the losses of a mini-batch's micro-batches and FSDP averages the ranks; it
    expects each micro-batch's loss normalised by the global mini-batch (`config.global_batch_info`: dp_size,
    global_batch_size). pacs_loss is the mean over its b rows, so it is scaled by b * dp_size / global_batch_size:
    the step's gradient is that of the mean of w * BCE over the global mini-batch's rows, as in pacs.py. (A per-call
-   mean without that factor gives a gradient as many times too large as there are micro-batches.)
+   mean without that factor gives a gradient as many times too large as there are micro-batches; without dp_size,
+   N times too small.)
 The critic sigma(psi) acts only from a rollout's second optimizer step on (pi_theta = pi_old on the first: psi = 0);
 the estimator refuses a rollout trained in one step (data.train_batch_size = actor.ppo_mini_batch_size, ppo_epochs 1).
 pi_old is verl's `old_log_probs`, recomputed by the actor right after sampling; the estimator refuses
@@ -43,12 +47,12 @@ of one group, AdamW at 1e-6, no gradient clipping, no KL or entropy term), with 
         algorithm.use_kl_in_reward=False trainer.n_gpus_per_node=1 trainer.nnodes=1 \\
         actor_rollout_ref.model.path=... data.train_files=... data.val_files=... actor_rollout_ref.rollout.name=vllm
 
-With several ranks the default (V1) trainer's balancing splits groups and the estimator stops the run; the legacy
-trainer keeps the order (add trainer.use_v1=False trainer.balance_batch=False; read from verl's source, not run):
-docs/porting.md, "On current verl". PACS's beta, estimator and class balance are not verl config fields: loss_mode
-`pacs` is beta 1, RLOO, balanced (the official run); `register("pacs_beta2", beta=2.0)` in a module of your own,
-loaded the same way, registers another. tests/test_verl_pacs.py runs this plugin in verl's own training engine on a
-CPU and checks its gradients and weights against pacs.py's.
+On N GPUs: trainer.use_v1=False trainer.balance_batch=False trainer.n_gpus_per_node=N, with ppo_mini_batch_size
+and data.train_batch_size multiples of N (docs/porting.md, "Several ranks"; tested on 2 ranks). PACS's beta,
+estimator and class balance are not verl config fields: loss_mode `pacs` is beta 1, RLOO, balanced (the official
+run); `register("pacs_beta2", beta=2.0)` in a module of your own, loaded the same way, registers another.
+tests/test_verl_pacs.py runs this plugin in verl's own training engine on a CPU, on one data-parallel rank and on
+two, and checks its gradients and weights against pacs.py's.
 """
 from __future__ import annotations
 
