@@ -16,13 +16,17 @@ between that and PACS, and each is handled here:
    rows i*G .. i*G+G-1 as one group. What reorders rows is refused with one line: `actor.shuffle=True` and
    `actor.use_dynamic_bsz=True` (seen by the loss, in the actor config every call gets, and by the estimator);
    a micro-batch that is not a multiple of G; a rollout whose groups are not in adjacent aligned blocks of G rows
-   (seen by the estimator from the uid of each row: the V1 trainer balances every batch across data-parallel
-   ranks, which splits groups when there are several ranks).
+   (seen by the estimator from the uid of each row). With N data-parallel ranks, verl's dispatch hands rank r the
+   r-th contiguous share of the rollout, and each rank cuts its share into mini-batches of ppo_mini_batch_size / N
+   prompts: mini-batch m is every rank's m-th block of groups, each group whole on one rank. The estimator refuses,
+   from the trainer config, what splits a group across ranks: the V1 trainer on several ranks (it balances every
+   batch across ranks by length), trainer.balance_batch=True, a ppo_mini_batch_size or a rollout not a multiple of N.
 3. Loss scaling. The engine sums the losses of a mini-batch's micro-batches and FSDP averages the ranks; it
    expects each micro-batch's loss normalised by the global mini-batch (`config.global_batch_info`: dp_size,
    global_batch_size). pacs_loss is the mean over its b rows, so it is scaled by b * dp_size / global_batch_size:
    the step's gradient is that of the mean of w * BCE over the global mini-batch's rows, as in pacs.py. (A per-call
-   mean without that factor gives a gradient as many times too large as there are micro-batches.)
+   mean without that factor gives a gradient as many times too large as there are micro-batches; without dp_size,
+   N times too small.)
 The critic sigma(psi) acts only from a rollout's second optimizer step on (pi_theta = pi_old on the first: psi = 0);
 the estimator refuses a rollout trained in one step (data.train_batch_size = actor.ppo_mini_batch_size, ppo_epochs 1).
 pi_old is verl's `old_log_probs`, recomputed by the actor right after sampling; the estimator refuses
@@ -43,12 +47,12 @@ of one group, AdamW at 1e-6, no gradient clipping, no KL or entropy term), with 
         algorithm.use_kl_in_reward=False trainer.n_gpus_per_node=1 trainer.nnodes=1 \\
         actor_rollout_ref.model.path=... data.train_files=... data.val_files=... actor_rollout_ref.rollout.name=vllm
 
-With several ranks the default (V1) trainer's balancing splits groups and the estimator stops the run; the legacy
-trainer keeps the order (add trainer.use_v1=False trainer.balance_batch=False; read from verl's source, not run):
-docs/porting.md, "On current verl". PACS's beta, estimator and class balance are not verl config fields: loss_mode
-`pacs` is beta 1, RLOO, balanced (the official run); `register("pacs_beta2", beta=2.0)` in a module of your own,
-loaded the same way, registers another. tests/test_verl_pacs.py runs this plugin in verl's own training engine on a
-CPU and checks its gradients and weights against pacs.py's.
+On N GPUs: trainer.use_v1=False trainer.balance_batch=False trainer.n_gpus_per_node=N, with ppo_mini_batch_size
+and data.train_batch_size multiples of N (docs/porting.md, "Several ranks"; tested on 2 ranks). PACS's beta,
+estimator and class balance are not verl config fields: loss_mode `pacs` is beta 1, RLOO, balanced (the official
+run); `register("pacs_beta2", beta=2.0)` in a module of your own, loaded the same way, registers another.
+tests/test_verl_pacs.py runs this plugin in verl's own training engine on a CPU, on one data-parallel rank and on
+two, and checks its gradients and weights against pacs.py's.
 """
 from __future__ import annotations
 
@@ -65,9 +69,14 @@ import pacs  # noqa: E402  (the loss: pacs.pacs_loss, one source of truth)
 
 ADV_ESTIMATOR = "pacs_label"
 ESTIMATORS = ("rloo", "grpo", "drgrpo", "none")
-# what the estimator reads from the trainer config beside its own node (actor_rollout_ref.actor and the rollout)
+# what the estimator reads from the trainer config beside its own node: the actor's settings (ACTOR_KEYS, which the
+# loss also sees), the rollout's group size, and how the trainer orders and dispatches rows (TRAINER_KEYS)
 ACTOR_KEYS = ("shuffle", "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_mini_batch_size", "ppo_epochs",
               "use_kl_loss", "entropy_coeff", "rollout_n")
+TRAINER_KEYS = {"use_v1": "trainer.use_v1", "balance_batch": "trainer.balance_batch",
+                "n_gpus_per_node": "trainer.n_gpus_per_node", "nnodes": "trainer.nnodes",
+                "sp": "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+                "fsdp_sp": "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"}
 
 
 def check_actor_config(config):
@@ -131,13 +140,33 @@ def register(name, beta=1.0, estimator="rloo", balance=True):
     return register_policy_loss(name)(pacs_policy_loss)
 
 
+def check_trainer_config(settings, prompts):
+    """One-line ValueError for a trainer setting (a dict of ACTOR_KEYS and TRAINER_KEYS) that reorders rows or
+    splits a group across data-parallel ranks, for a rollout of `prompts` groups. verl's dispatch hands rank r the
+    r-th contiguous share of the rollout; each rank cuts its share into mini-batches of ppo_mini_batch_size / ranks
+    prompts."""
+    dp = settings["n_gpus_per_node"] * settings["nnodes"] // max(settings["sp"], settings["fsdp_sp"])
+    if settings["use_v1"] and dp > 1:
+        raise ValueError(f"trainer.use_v1=True on {dp} data-parallel ranks: the V1 trainer balances every batch "
+                         "across ranks by length, splitting groups: set trainer.use_v1=False and balance_batch=False")
+    if not settings["use_v1"] and settings["balance_batch"]:
+        raise ValueError("trainer.balance_batch=True reorders rows by length, splitting groups: set it to False")
+    if settings["ppo_mini_batch_size"] % dp:
+        raise ValueError(f"actor_rollout_ref.actor.ppo_mini_batch_size={settings['ppo_mini_batch_size']} is not a "
+                         f"multiple of the {dp} data-parallel ranks: a group would be split across ranks")
+    if prompts % dp:
+        raise ValueError(f"a rollout of {prompts} prompts on {dp} data-parallel ranks: verl's dispatch would split "
+                         "a group across ranks (data.train_batch_size must be a multiple of the ranks)")
+
+
 def trainer_settings(algorithm_config):
-    """ACTOR_KEYS of actor_rollout_ref.actor, read through the algorithm node's trainer config (the estimator is
-    given only its own node); None when that node is not part of a full config (a dataclass, a bare dict)."""
+    """ACTOR_KEYS and TRAINER_KEYS, read through the algorithm node's trainer config (the estimator is given only
+    its own node); None when that node is not part of a full config (a dataclass, a bare dict)."""
     if not isinstance(algorithm_config, DictConfig):
         return None
     paths = {k: f"actor_rollout_ref.actor.{k}" for k in ACTOR_KEYS if k != "rollout_n"}
     paths["rollout_n"] = "actor_rollout_ref.rollout.n"
+    paths.update(TRAINER_KEYS)
     # a node created under `parent` resolves ${...} from the parent's root: the whole trainer config
     view = OmegaConf.create({k: "${oc.select:" + p + ",null}" for k, p in paths.items()}, parent=algorithm_config)
     settings = OmegaConf.to_container(view, resolve=True)
@@ -163,9 +192,10 @@ def pacs_label_advantage(token_level_rewards, response_mask, index=None, config=
     blocks = [uids[i:i + G] for i in range(0, B, G)]
     if B % G or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
         raise ValueError(f"the {B} rows are not groups of {G} adjacent rows per prompt (uid): verl reordered them "
-                         "(with several data-parallel ranks the V1 trainer's balancing splits groups)")
+                         "(its balancing by length: trainer.balance_batch, or the V1 trainer on several ranks)")
     if settings:
         check_actor_config(settings)
+        check_trainer_config(settings, B // G)
         if B // G <= settings["ppo_mini_batch_size"] and settings["ppo_epochs"] == 1:
             raise ValueError(f"one optimizer step per rollout ({B // G} prompts, actor.ppo_mini_batch_size="
                              f"{settings['ppo_mini_batch_size']}): psi = 0 on every step and the critic never acts; "

@@ -1,25 +1,30 @@
-"""examples/verl_pacs.py in verl's own training engine, on the CPU: the update it makes equals pacs.py's.
+"""examples/verl_pacs.py in verl's own training engine, on the CPU: the update it makes equals pacs.py's, on one
+data-parallel rank and on two.
 
 One fixed rollout (tests/trl_fixed_rollout.py: 4 prompts x G = 4, mixed, all-wrong and truncated responses) goes
-through the path a verl run takes: verl's trainer config (hydra, verl/trainer/config/ppo_trainer.yaml) with the
-settings docs/porting.md prescribes, the actor worker verl's trainer starts (engine_workers.ActorRolloutRefWorker,
-role actor: a TrainingWorker over the FSDP2 engine), pi_old from that worker's compute_log_prob, the advantages from
-the registered estimator `pacs_label`, and update_actor -> train_mini_batch -> train_batch -> forward_backward_batch
--> ppo_loss -> the registered loss `pacs`. Two mini-batches of 2 prompts, micro-batches of one group (so the engine
-sums two micro-batch losses per step), plain SGD at lr 1; the second mini-batch is scored after the first update
-(psi's std ~1.5: the critic acts). pacs.train_step trains a plain HF copy on the same rollout in the same order.
+through the path a verl run takes (tests/verl_on_cpu.py): verl's trainer config (hydra,
+verl/trainer/config/ppo_trainer.yaml) with the settings docs/porting.md prescribes, the actor worker verl's trainer
+starts (engine_workers.ActorRolloutRefWorker, role actor: a TrainingWorker over the FSDP2 engine), pi_old from that
+worker's compute_log_prob, the advantages from the registered estimator `pacs_label`, and update_actor ->
+train_mini_batch -> train_batch -> forward_backward_batch -> ppo_loss -> the registered loss `pacs`. Two
+mini-batches of 2 prompts, micro-batches of one group, plain SGD at lr 1; the second mini-batch is scored after the
+first update (psi's std ~1.5: the critic acts). pacs.train_step trains a plain HF copy on the same rollout.
 
-verl has no CPU platform, so this file registers one with verl's platform layer (PlatformCPU below: the test's,
-not the plugin's); VERL_ENGINE_DEVICE=cuda finds the FSDP engine, which is registered for cuda and npu only. The
-run is FSDP2 (FSDP1 refuses CPU parameters with sync_module_states), fp32 mixed precision (else the forward
-autocasts to bf16), eager attention, no torch.compile. Skips without verl: pip install -r
-examples/requirements-verl.txt && pip install --no-deps verl==0.9.1.
+One rank: this process, a gloo group of one; the engine sums two micro-batch losses per step. Two ranks: two
+processes of one gloo group (tests/verl_on_cpu.py run as a script), each batch cut between them as verl's dispatch
+cuts it, FSDP2 sharding the model over both and averaging their gradients; each rank's micro-batch is one group of
+the global mini-batch of 2. The row orders verl's trainers make by balancing lengths across ranks come from the
+trainers' own code, and the plugin refuses them.
+
+verl has no CPU platform: tests/verl_on_cpu.py registers one (the test's, not the plugin's). The run is FSDP2 (FSDP1
+refuses CPU parameters with sync_module_states), fp32 mixed precision (else the forward autocasts to bf16), eager
+attention, no torch.compile. Skips without verl: pip install -r examples/requirements-verl.txt && pip install
+--no-deps verl==0.9.1.
 """
-import contextlib
 import importlib.util
 import os
+import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -27,171 +32,28 @@ import torch
 
 INSTALL = "pip install -r examples/requirements-verl.txt && pip install --no-deps verl==0.9.1"
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason=f"verl is not installed: {INSTALL}"),
-              pytest.mark.usefixtures("verl_on_cpu")]  # every test: verl resolves its platform once, to this one
+              pytest.mark.usefixtures("verl_one_rank")]  # every test: verl resolves its platform once, to this one
 
-from trl_fixed_rollout import PROBLEMS, RecordingSGD, make_rollout, patch_pacs, prompt_ids  # noqa: E402
+from trl_fixed_rollout import PROBLEMS, RecordingSGD, make_rollout, patch_pacs  # noqa: E402
+from verl_on_cpu import ACTOR, LR, G, M, balanced_rows, run_verl, verl_batch, verl_config, verl_on_cpu  # noqa: E402
 
 import pacs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-G, M, LR = 4, 2, 1.0
-
-
-def cpu_device_module():
-    """What verl asks of torch.cuda, answered for the CPU: no device memory to report, nothing to synchronise."""
-    mod = types.ModuleType("verl_cpu_device")
-    for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved"):
-        setattr(mod, name, lambda *a, **k: 0)
-    for name in ("empty_cache", "synchronize", "reset_peak_memory_stats", "set_device", "manual_seed",
-                 "manual_seed_all"):
-        setattr(mod, name, lambda *a, **k: None)
-    mod.is_available, mod.device_count = (lambda: True), (lambda: 1)
-    mod.current_device, mod.get_device_name = (lambda: "cpu"), (lambda *a: "CPU")
-    mod.mem_get_info = lambda *a: (0, 0)
-    return mod
-
-
-def cpu_platform():
-    """An instance of a CPU platform for verl's platform layer (verl.plugin.platform), registered as 'cpu'.
-    current_device() is "cpu": verl moves micro-batches with .to(get_device_id())."""
-    from verl.plugin.platform import PlatformBase, PlatformRegistry
-
-    @PlatformRegistry.register(platform="cpu")
-    class PlatformCPU(PlatformBase):
-        device_name = property(lambda self: "cpu")
-        vendor_name = property(lambda self: "cpu")
-        device_module = property(lambda self: cpu_device_module())
-
-        def is_available(self): return True
-        def current_device(self): return "cpu"
-        def device_count(self): return 1
-        def set_device(self, device_index): pass
-        def synchronize(self, device_index=None): pass
-        def manual_seed(self, seed): torch.manual_seed(seed)
-        def manual_seed_all(self, seed): torch.manual_seed(seed)
-        def set_allocator_settings(self, settings): pass
-        def empty_cache(self): pass
-        def get_device_capability(self, device_index=0): return None, None
-        def communication_backend_name(self): return "gloo"
-        def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
-        def profiler_start(self): pass
-        def profiler_stop(self): pass
-        def ray_resource_name(self): return "CPU"
-        def ray_noset_envvars(self): return []
-        def is_ipc_supported(self): return False
-        def cudart(self): return None
-
-        @contextlib.contextmanager
-        def nvtx_range(self, msg):
-            yield
-
-    return PlatformCPU()
 
 
 @pytest.fixture(scope="module")
-def verl_on_cpu():
-    """verl's engine on the CPU for this module: the platform, one gloo process (rank 0 of 1), the env a Ray
-    worker would have. Undone at the end (the process group destroyed, env, platform and patch restored)."""
+def verl_one_rank():
+    """verl's engine on the CPU in this process for this module: one gloo process group (rank 0 of 1). Undone at
+    the end (the process group destroyed, env, platform and patch restored)."""
     import torch.distributed as dist
-    import verl.plugin.platform.platform_manager as platforms
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in dict(VERL_ENGINE_DEVICE="cuda", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                               MASTER_ADDR="127.0.0.1", MASTER_PORT="0").items():
-            mp.setenv(key, value)
-        # verl's platform singleton (what set_platform sets), before verl.workers.engine reads the device name
-        mp.setattr(platforms, "_current_platform", cpu_platform())
-        import verl.models.transformers.monkey_patch as verl_patches
-        # verl 0.9.1 patches TRL's value-head model whenever trl is importable, from a module trl 1.16 (this
-        # project's TRL pin) no longer has; the actor never uses it
-        mp.setattr(verl_patches, "is_trl_available", lambda: False)
+    with verl_on_cpu():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
             yield
         finally:
             dist.destroy_process_group()
-
-
-def verl_config(model_dir, remove_padding=True, overrides=()):
-    """verl's trainer config (its own ppo_trainer.yaml through hydra) with the plugin's settings
-    (docs/porting.md), the CPU's, and SGD at lr 1 without clipping so that gradients can be compared."""
-    import verl
-    from hydra import compose, initialize_config_dir
-    actor = "actor_rollout_ref.actor"
-    settings = [
-        "algorithm.adv_estimator=pacs_label", f"{actor}.policy_loss.loss_mode=pacs",
-        f"data.train_batch_size={len(PROBLEMS)}", f"actor_rollout_ref.rollout.n={G}",
-        f"{actor}.ppo_mini_batch_size={len(PROBLEMS) // M}", f"{actor}.ppo_micro_batch_size_per_gpu={G}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={G}",
-        f"{actor}.shuffle=False", f"{actor}.use_dynamic_bsz=False", f"{actor}.use_kl_loss=False",
-        f"{actor}.entropy_coeff=0", f"{actor}.optim.clip_grad=1e9", "algorithm.use_kl_in_reward=False",
-        # the CPU: FSDP2, fp32 compute, eager attention, no torch.compile
-        f"{actor}.strategy=fsdp2", f"+{actor}.fsdp_config.mixed_precision.param_dtype=fp32",
-        "+actor_rollout_ref.model.override_config.attn_implementation=eager",
-        f"{actor}.use_torch_compile=False", f"{actor}.fsdp_config.use_torch_compile=False",
-        # the comparison: plain SGD, the model of this test
-        f"{actor}.optim.optimizer=SGD", f"{actor}.optim.lr={LR}", f"{actor}.optim.weight_decay=0",
-        f"actor_rollout_ref.model.path={model_dir}", f"actor_rollout_ref.model.use_remove_padding={remove_padding}",
-        *overrides]
-    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose("ppo_trainer", overrides=settings)
-
-
-def verl_batch(tokenizer, table, order):
-    """The rollout as verl's agent loop hands it to the trainer: left-padded prompts, right-padded responses,
-    G adjacent rows per prompt sharing a uid, the reward on each response's last token."""
-    from verl import DataProto
-    from verl.utils.model import compute_position_id_with_mask
-    pad = tokenizer.pad_token_id
-    rows = [(list(prompt_ids(tokenizer, p["problem"])), resp, r)
-            for p in order for resp, r in table[prompt_ids(tokenizer, p["problem"])]]
-    Lp, T, B = max(len(q) for q, _, _ in rows), max(len(a) for _, a, _ in rows), len(rows)
-    prompts = torch.tensor([[pad] * (Lp - len(q)) + q for q, _, _ in rows])  # (B, Lp)
-    responses = torch.tensor([a + [pad] * (T - len(a)) for _, a, _ in rows])  # (B, T)
-    response_mask = torch.tensor([[1] * len(a) + [0] * (T - len(a)) for _, a, _ in rows])  # (B, T)
-    attention = torch.cat([(prompts != pad).long(), response_mask], 1)  # (B, Lp + T)
-    scores = torch.zeros(B, T)  # (B, T)
-    scores[torch.arange(B), response_mask.sum(1) - 1] = torch.tensor([r for _, _, r in rows])
-    tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-               "attention_mask": attention, "position_ids": compute_position_id_with_mask(attention),
-               "response_mask": response_mask, "token_level_rewards": scores}
-    uids = np.array([f"prompt{i // G}" for i in range(B)], dtype=object)
-    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uids}, meta_info={"temperature": 1.0})
-
-
-def run_verl(cfg, tokenizer, table, order):
-    """One rollout through verl's actor worker: (gradient of each optimizer step, weights after, metrics)."""
-    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.engine_workers import ActorRolloutRefWorker
-    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
-    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
-    worker.init_model()
-    engine = worker.actor.engine
-    batch = verl_batch(tokenizer, table, order)
-    # pi_old: the actor's log-probs right after sampling (RayPPOTrainer._compute_old_log_prob)
-    td = left_right_2_no_padding(batch.to_tensordict())
-    tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False)
-    batch.batch["old_log_probs"] = no_padding_2_padding(tu.get(worker.compute_log_prob(td), "log_probs"), td).float()
-    # the registered estimator, called with the keywords compute_advantage (ray_trainer.py) gives it
-    advantages, returns = get_adv_estimator_fn(cfg.algorithm.adv_estimator)(
-        token_level_rewards=batch.batch["token_level_rewards"], response_mask=batch.batch["response_mask"],
-        config=cfg.algorithm, index=batch.non_tensor_batch["uid"])
-    batch.batch["advantages"], batch.batch["returns"] = advantages, returns
-    # the update, with the meta-data RayPPOTrainer._update_actor attaches
-    actor = cfg.actor_rollout_ref.actor
-    rows = actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
-    td = left_right_2_no_padding(batch.to_tensordict())
-    tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=rows, mini_batch_size=rows,
-                         epochs=actor.ppo_epochs, seed=actor.data_loader_seed,
-                         dataloader_kwargs={"shuffle": actor.shuffle}, compute_loss=True)
-    grads = []  # the gradient each optimizer step applies (FSDP2: DTensors)
-    engine.optimizer.register_step_pre_hook(lambda *_: grads.append(
-        torch.cat([p.grad.full_tensor().reshape(-1).clone() for p in engine.module.parameters()])))
-    metrics = tu.get(worker.update_actor(td), "metrics")
-    weights = {name: p.full_tensor().detach().clone() for name, p in engine.module.named_parameters()}
-    return grads, weights, metrics
 
 
 def run_pacs(model_dir, table, monkeypatch):
@@ -221,6 +83,28 @@ def reference(tiny_model_dir):
     return grads, weights, metrics, order, tokenizer, table
 
 
+def assert_same_update(grads, weights, pacs_grads, pacs_weights, label):
+    """verl's gradient of each optimizer step and its weights after them equal pacs.py's, in float32."""
+    assert len(grads) == len(pacs_grads) == M
+    for m in range(M):
+        err = ((grads[m] - pacs_grads[m]).norm() / pacs_grads[m].norm()).item()
+        print(f"{label} mini-batch {m}: |g_verl - g_pacs| / |g_pacs| = {err:.1e}, "
+              f"max |diff| {(grads[m] - pacs_grads[m]).abs().max().item():.1e}")  # pytest -s shows it
+        assert pacs_grads[m].norm() > 0
+        assert err <= 1e-5, f"{label} mini-batch {m}"
+    assert weights.keys() == pacs_weights.keys()
+    worst = max((weights[k] - pacs_weights[k]).abs().max().item() for k in weights)
+    print(f"{label} weights after both steps: max |w_verl - w_pacs| = {worst:.1e}")
+    assert worst <= 1e-5
+
+
+def assert_critic_acts(metrics):
+    """pi_old is the actor's: psi is exactly 0 on the first mini-batch, the critic acts on the second; the logged
+    loss is the global mini-batch's mean of w * BCE: ln 2 where psi = 0."""
+    assert metrics["pacs/psi_std"][0] == 0 and metrics["pacs/psi_std"][1] > 0.05
+    assert metrics["loss"][0] == pytest.approx(np.log(2), abs=1e-6)
+
+
 @pytest.mark.parametrize("remove_padding", [True, False], ids=["remove-padding", "padded"])
 def test_verl_engine_update_equals_pacs(reference, tiny_model_dir, remove_padding):
     from verl.utils.import_utils import import_external_libs
@@ -228,24 +112,66 @@ def test_verl_engine_update_equals_pacs(reference, tiny_model_dir, remove_paddin
     pacs_grads, pacs_weights, pacs_metrics, order, tokenizer, table = reference
     cfg = verl_config(tiny_model_dir, remove_padding)
     grads, weights, metrics = run_verl(cfg, tokenizer, table, order)
-    assert len(grads) == len(pacs_grads) == M
-    for m in range(M):
-        err = ((grads[m] - pacs_grads[m]).norm() / pacs_grads[m].norm()).item()
-        print(f"{'remove-padding' if remove_padding else 'padded'} mini-batch {m}: |g_verl - g_pacs| / |g_pacs| = "
-              f"{err:.1e}, max |diff| {(grads[m] - pacs_grads[m]).abs().max().item():.1e}")  # pytest -s shows it
-        assert pacs_grads[m].norm() > 0
-        assert err <= 1e-5, f"mini-batch {m}"
-    assert weights.keys() == pacs_weights.keys()
-    worst = max((weights[k] - pacs_weights[k]).abs().max().item() for k in weights)
-    print(f"weights after both steps: max |w_verl - w_pacs| = {worst:.1e}")
-    assert worst <= 1e-5
-    # pi_old is the actor's: psi is exactly 0 on the first mini-batch, the critic acts on the second
-    assert metrics["pacs/psi_std"][0] == 0 and metrics["pacs/psi_std"][1] > 0.05 and pacs_metrics["psi_std"] > 0.05
-    # the logged loss is the mini-batch's mean of w * BCE: ln 2 where psi = 0
-    assert metrics["loss"][0] == pytest.approx(np.log(2), abs=1e-6)
+    assert_same_update(grads, weights, pacs_grads, pacs_weights, "remove-padding" if remove_padding else "padded")
+    assert_critic_acts(metrics)
+    assert pacs_metrics["psi_std"] > 0.05
 
 
-ACTOR = "actor_rollout_ref.actor"
+def run_two_ranks(model_dir, out, prompts, rows=None):
+    """tests/verl_on_cpu.py as a script: two data-parallel ranks, two processes of one gloo group; what rank 0
+    saved."""
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "verl_on_cpu.py"), "--model-dir", model_dir, "--out",
+           str(out), "--ranks", "2", "--order", ",".join(map(str, prompts))]
+    cmd += [] if rows is None else ["--rows", ",".join(map(str, rows))]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+def test_two_ranks_update_equals_pacs_on_the_global_batch(reference, tiny_model_dir, tmp_path):
+    """Two data-parallel ranks in verl's engine (FSDP2 sharding the model over two gloo processes, settings
+    trainer.n_gpus_per_node=2 trainer.use_v1=False trainer.balance_batch=False): the same update as pacs.train_step
+    on the whole rollout in one process. verl's dispatch hands rank r the r-th half of the rollout and each rank
+    cuts its half into mini-batches of ppo_mini_batch_size / 2 prompts, so global mini-batch m is every rank's m-th
+    group: with the prompts in the order o0, o2, o1, o3 it holds the 2 prompts of pacs.py's mini-batch m. The loss's
+    scale (b * dp_size / global_batch_size) undoes the average FSDP's reduce-scatter takes over the ranks."""
+    pacs_grads, pacs_weights, _, order, _, _ = reference
+    two = run_two_ranks(tiny_model_dir, tmp_path / "two_ranks.pt", [PROBLEMS.index(order[i]) for i in (0, 2, 1, 3)])
+    assert two["ranks"] == 2 and two["backend"] == "gloo"
+    assert_same_update(two["grads"], two["weights"], pacs_grads, pacs_weights, "2 ranks")
+    assert_critic_acts(two["metrics"])
+
+
+@pytest.mark.parametrize("trainer, ranks", [("v1", 2), ("v1", 4), ("legacy", 2), ("legacy", 1)])
+def test_estimator_refuses_the_orders_verl_balancing_makes(reference, tiny_model_dir, trainer, ranks):
+    """verl's trainers balance sequence lengths across the data-parallel ranks with their own _balance_batch (run
+    here from their source): the V1 trainer at every step, the legacy one with trainer.balance_batch=True (which
+    also reorders rows within a rank). The order each makes of this rollout splits groups, and the estimator, which
+    sees the rows in that order before any update, refuses it with one line."""
+    import verl_pacs
+    _, _, _, order, tokenizer, table = reference
+    cfg = verl_config(tiny_model_dir)
+    batch = verl_batch(tokenizer, table, order)
+    rows = balanced_rows(batch, cfg, ranks, trainer)
+    assert sorted(rows) == list(range(len(PROBLEMS) * G)) and rows != sorted(rows)
+    rewards, mask = batch.batch["token_level_rewards"][rows], batch.batch["response_mask"][rows]  # (B, T)
+    with pytest.raises(ValueError, match="not groups of 4 adjacent rows"):
+        verl_pacs.pacs_label_advantage(rewards, mask, index=batch.non_tensor_batch["uid"][rows], config=cfg.algorithm)
+
+
+def test_v1_balancing_on_one_rank_keeps_the_order(reference, tiny_model_dir):
+    """The plugin's one-GPU setting, the V1 trainer's default: its balancing over one rank is the identity."""
+    import verl_pacs
+    _, _, _, order, tokenizer, table = reference
+    cfg = verl_config(tiny_model_dir)
+    batch = verl_batch(tokenizer, table, order)
+    assert balanced_rows(batch, cfg, 1, "v1") == list(range(len(PROBLEMS) * G))
+    advantages, _ = verl_pacs.pacs_label_advantage(batch.batch["token_level_rewards"], batch.batch["response_mask"],
+                                                   index=batch.non_tensor_batch["uid"], config=cfg.algorithm)
+    assert advantages.shape == batch.batch["response_mask"].shape
+
+
 REFUSED = [
     ([f"{ACTOR}.shuffle=True"], "shuffle=True"),
     ([f"{ACTOR}.use_dynamic_bsz=True"], "use_dynamic_bsz=True"),
@@ -253,6 +179,11 @@ REFUSED = [
     ([f"{ACTOR}.use_kl_loss=True"], "no KL or entropy term"),
     ([f"{ACTOR}.ppo_mini_batch_size={len(PROBLEMS)}"], "one optimizer step per rollout"),
     (["algorithm.rollout_correction.bypass_mode=True"], "bypass_mode=True"),
+    # several data-parallel ranks: a trainer that balances lengths, a mini-batch the ranks cannot share in groups
+    (["trainer.n_gpus_per_node=2", "trainer.use_v1=True"], "use_v1=True on 2 data-parallel ranks"),
+    (["trainer.use_v1=False", "trainer.balance_batch=True"], "balance_batch=True reorders rows"),
+    (["trainer.n_gpus_per_node=4", "trainer.use_v1=False", "trainer.balance_batch=False"],
+     "ppo_mini_batch_size=2 is not a multiple of the 4 data-parallel ranks"),
 ]
 
 
@@ -300,6 +231,27 @@ def test_estimator_refuses_non_binary_rewards_and_split_groups(tiny_model_dir):
     advantages, returns = verl_pacs.pacs_label_advantage(rewards, torch.ones(B, T), index=grouped,
                                                          config=cfg.algorithm)
     assert torch.equal(advantages, returns) and advantages[0].tolist() == [1.0] * T and advantages[1].sum() == 0
+
+
+def test_estimator_refuses_a_rollout_the_ranks_cannot_share(tiny_model_dir):
+    """verl's dispatch cuts a rollout into equal contiguous shares, one per data-parallel rank: 3 prompts on 2 ranks
+    would split a group. The ranks are the GPUs over the sequence-parallel size (the engine's data-parallel size):
+    2 GPUs of one sequence-parallel pair are one rank, whose V1 balancing keeps the order."""
+    import verl_pacs
+    T = 3
+
+    def estimate(prompts, cfg):
+        uids = np.array([f"prompt{i // G}" for i in range(prompts * G)], dtype=object)
+        rewards = torch.zeros(prompts * G, T)  # (B, T)
+        return verl_pacs.pacs_label_advantage(rewards, torch.ones(prompts * G, T), index=uids, config=cfg.algorithm)
+
+    two_ranks = verl_config(tiny_model_dir, ranks=2)
+    estimate(4, two_ranks)
+    with pytest.raises(ValueError, match="a rollout of 3 prompts on 2 data-parallel ranks"):
+        estimate(3, two_ranks)
+    one_rank_on_two_gpus = verl_config(tiny_model_dir, overrides=[
+        "trainer.n_gpus_per_node=2", f"{ACTOR}.ulysses_sequence_parallel_size=2", "trainer.use_v1=True"])
+    estimate(3, one_rank_on_two_gpus)
 
 
 def test_loss_refuses_advantages_that_are_not_labels(tiny_model_dir):
