@@ -1918,7 +1918,7 @@ def draw_curves(out_dir):
                       labels=[k.removeprefix("time_").replace("_", " ") for k in phases])
     axes[7].set(title="step time by phase (s)", xlabel="step")
     axes[7].legend(fontsize=8, loc="upper left")
-    fig.suptitle(f"{os.path.abspath(out_dir)}: {len(rows)} steps", fontsize=10)
+    fig.suptitle(f"{out_dir}: {len(rows)} steps", fontsize=10)
     path = os.path.join(out_dir, "curves.png")
     fig.savefig(path + ".tmp.png", dpi=90)
     os.replace(path + ".tmp.png", path)

@@ -240,7 +240,8 @@ def test_asking_for_a_tracker_not_installed_or_unknown_is_a_one_line_error(tiny_
     assert str(e.value) == "pacs.py: error: --report-to wandb: the package is not installed: pip install wandb"
     with pytest.raises(SystemExit) as e:
         pacs.main(argv + ["mlflow"])
-    assert str(e.value) == "pacs.py: error: --report-to 'mlflow': use none, all, or some of tensorboard, trackio, wandb"
+    assert str(e.value) == ("pacs.py: error: --report-to 'mlflow': use none, all, or some of tensorboard, trackio, "
+                            "wandb")
     with pytest.raises(SystemExit) as e:
         ev.main(["--model", tiny_model_dir, "--datasets", "synthetic", "--report-to", "wandb"])
     assert str(e.value) == "eval.py: error: --report-to wandb: the package is not installed: pip install wandb"
