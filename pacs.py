@@ -1894,30 +1894,30 @@ PHASES = ("time_generate", "time_verify", "time_old_logprobs", "time_update", "t
 
 def draw_curves(out_dir):
     """OUT/curves.png from OUT/metrics.jsonl: a panel per metric of CURVES against step (with a running mean over
-    a twentieth of the steps, past 40), and the step's seconds split by phase. Matplotlib's object API, no pyplot:
+    a twentieth of its points, past 40), and the step's seconds split by phase. Matplotlib's object API, no pyplot:
     this runs in a thread beside the training. Written to a temporary file, then renamed; returns the figure."""
     from matplotlib.figure import Figure
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     fig = Figure(figsize=(16, 7), layout="tight")
-    axes, window = fig.subplots(2, 4).flat, max(1, len(rows) // 20)
+    axes = fig.subplots(2, 4).flat
     for ax, (title, key) in zip(axes, CURVES):
         points = [(r["step"], float(r[key])) for r in rows if r.get(key) is not None]
-        steps, values = zip(*points) if points else ((), ())
+        (steps, values), window = zip(*points) if points else ((), ()), max(1, len(points) // 20)
         ax.plot(steps, values, ".-" if window == 1 else ".", alpha=1 if window == 1 else 0.35)
         if window > 1:
             ax.plot(steps, [np.mean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))], "-",
-                    color="C0", label=f"mean of {window} steps")
+                    color="C0", label=f"running mean of {window}")
             ax.legend(fontsize=8)
         if not points:
             ax.text(0.5, 0.5, "not logged by this run", transform=ax.transAxes, ha="center", color="gray")
         ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
     phases = [k for k in PHASES if any(r.get(k) for r in rows)]
-    axes[7].stackplot([r["step"] for r in rows], *[[r.get(k) or 0.0 for r in rows] for k in phases],
-                      labels=[k.removeprefix("time_").replace("_", " ") for k in phases])
-    axes[7].set(title="step time by phase (s)", xlabel="step")
-    axes[7].legend(fontsize=8, loc="upper left")
+    seconds = [[r.get(k) or 0.0 for r in rows] for k in phases]  # (phases, steps)
+    axes[7].stackplot([r["step"] for r in rows], *seconds, labels=[k[5:].replace("_", " ") for k in phases])
+    axes[7].set(title="step time by phase (s)", xlabel="step", ylim=(0, 1.4 * max(map(sum, zip(*seconds)), default=1)))
+    axes[7].legend(fontsize=8, loc="upper left", ncols=3)  # above the stack: the headroom of ylim
     fig.suptitle(f"{out_dir}: {len(rows)} steps", fontsize=10)
     path = os.path.join(out_dir, "curves.png")
     fig.savefig(path + ".tmp.png", dpi=90)

@@ -186,7 +186,8 @@ def test_curves_split_the_step_time_by_every_phase_logged(tmp_path):
     assert top == pytest.approx(3.0 + 0.1 + 1.0 + 2.0 + 4.0 + 1.5)  # the stack's top: step 2, every phase
     acc = fig.axes[6].lines[0]
     assert list(acc.get_xdata()) == list(range(0, 60, 2))  # held-out accuracy where it was measured only
-    assert fig.axes[0].get_legend().get_texts()[0].get_text() == "mean of 3 steps"
+    assert fig.axes[0].get_legend().get_texts()[0].get_text() == "running mean of 3"  # 60 points
+    assert fig.axes[6].get_legend() is None  # 30 points: drawn as they are
 
 
 def test_curves_are_drawn_beside_the_step_one_drawing_at_a_time(tmp_path, monkeypatch):
