@@ -1823,8 +1823,8 @@ def open_wandb(out_dir, name, config, start, ids):
                      id=ids.setdefault("wandb", os.urandom(6).hex()), resume="allow", reinit="finish_previous")
 
     def log(scalars, step, samples):
-        table = {"samples": wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
-        run.log({**scalars, **(table if samples else {})}, step=step)
+        table = samples and wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])
+        run.log({**scalars, **({"samples": table} if samples else {})}, step=step)
     return log, run.finish
 
 
@@ -1837,8 +1837,8 @@ def open_trackio(out_dir, name, config, start, ids):
                        config=config, resume="allow")
 
     def log(scalars, step, samples):
-        table = {"samples": trackio.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])}
-        run.log({**scalars, **(table if samples else {})}, step=step)
+        table = samples and trackio.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])
+        run.log({**scalars, **({"samples": table} if samples else {})}, step=step)
     return log, run.finish
 
 

@@ -41,8 +41,9 @@ def scalars_of(row):
 
 @pytest.fixture(scope="module")
 def watched(digit_model, const7_file, tmp_path_factory):
-    """A run logged to every installed tracker, killed while saving step 3 (steps 0-3 logged, step 1 the last
-    checkpoint), then resumed to its end; and the same run uninterrupted, logged nowhere."""
+    """A run logged to every installed tracker, completions every second step, killed while saving step 3 (steps
+    0-3 logged, step 1 the last checkpoint), then resumed to its end; and the same run uninterrupted, logged
+    nowhere."""
     tmp = tmp_path_factory.mktemp("watched")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_MODE", "offline")
@@ -58,14 +59,15 @@ def watched(digit_model, const7_file, tmp_path_factory):
                 raise KeyboardInterrupt("killed")
             return save(cfg, model, tokenizer, optimizer, step, *args)
         mp.setattr(pacs, "save_checkpoint", killed_at_step_3)
-        args = ["--steps", "4", "--save-every", "2", "--report-to", "all"]
+        args = ["--steps", "4", "--save-every", "2", "--log-samples-every", "2", "--report-to", "all"]
         with pytest.raises(KeyboardInterrupt):
             train(digit_model, const7_file, tmp / "run", *args)
         with open(tmp / "run" / "metrics.jsonl") as f:
             killed = [json.loads(line) for line in f]
         mp.setattr(pacs, "save_checkpoint", save)
         rows = train(digit_model, const7_file, tmp / "run", *args, "--resume")
-    plain = train(digit_model, const7_file, tmp / "plain", "--steps", "4", "--save-every", "2")
+    plain = train(digit_model, const7_file, tmp / "plain", "--steps", "4", "--save-every", "2",
+                  "--log-samples-every", "2")
     return {"dir": tmp / "run", "rows": rows, "killed": killed, "plain": plain, "trackio_dir": tmp / "trackio"}
 
 
@@ -97,7 +99,7 @@ def test_tensorboard_scalars_are_metrics_jsonl_once_per_step_after_a_resume(watc
         want = [(r["step"], float(np.float32(r[key]))) for r in rows if key in scalars_of(r)]
         assert events[key] == want, key
     samples = events["samples/text_summary"]
-    assert [step for step, _ in samples] == [0, 1, 2, 3]
+    assert [step for step, _ in samples] == [0, 2]
     with open(watched["dir"] / "samples.jsonl") as f:
         first = json.loads(f.readline())
     assert samples[0][1].startswith("| step | problem | answer | response | reward |")
@@ -132,6 +134,10 @@ def test_wandb_offline_records_hold_every_step_and_the_resume_continues_the_same
         assert [h["step"].get("num", 0) for h in history] == ([0, 1, 2, 3] if i == 0 else [2, 3])
         for h in history:
             step = h["step"].get("num", 0)
+            assert ("samples._type" in h["item"]) == (step % 2 == 0), step  # --log-samples-every 2
+            if step % 2:
+                logged[step] = {k: v for k, v in h["item"].items() if not k.startswith("_")}
+                continue
             assert h["item"]["samples._type"] == "table-file"
             with open(run_dir / "files" / h["item"]["samples.path"]) as f:
                 table = json.load(f)
@@ -155,7 +161,8 @@ def test_trackio_local_logs_hold_every_step_and_the_resume_continues_the_same_ru
     last = {r["step"]: {k: v for k, v in r.items() if k not in ("step", "timestamp", "samples")} for r in scalars}
     assert last == {r["step"]: pytest.approx(scalars_of(r)) for r in watched["rows"]}
     tables = [r for r in logs if "samples" in r]
-    assert tables and tables[0]["samples"]["_type"] == "trackio.table"
+    assert [r["step"] for r in tables] == [0, 2, 2]  # --log-samples-every 2; step 2 redone after the kill
+    assert all(r["samples"]["_type"] == "trackio.table" for r in tables)
     assert SQLiteStorage.get_run_config("pacs", name)["report_to"] == ["all"]
 
 
