@@ -1897,8 +1897,8 @@ def draw_curves(out_dir):
     a twentieth of its points, past 40), and the step's seconds split by phase. Matplotlib's object API, no pyplot:
     this runs in a thread beside the training. Written to a temporary file, then renamed; returns the figure."""
     from matplotlib.figure import Figure
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:  # a line the loop is writing now: the next drawing's
+        rows = [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
     fig = Figure(figsize=(16, 7), layout="tight")
     axes = fig.subplots(2, 4).flat
     for ax, (title, key) in zip(axes, CURVES):

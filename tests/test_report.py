@@ -185,8 +185,10 @@ def test_curves_split_the_step_time_by_every_phase_logged(tmp_path):
     rows = [{"step": s, "reward": 0.5, "time_generate": 3.0, "time_verify": 0.1, "time_old_logprobs": 1.0,
              "time_update": 2.0, **({"time_eval": 4.0, "eval_acc": 0.25} if s % 2 == 0 else {}),
              **({"time_save": 1.5} if s == 2 else {})} for s in range(60)]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    partial = '{"step": 60, "reward": 0.'  # the row the loop is writing while the thread reads
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + partial)
     fig = pacs.draw_curves(str(tmp_path))
+    assert list(fig.axes[0].lines[0].get_xdata()) == list(range(60))
     phases = [t.get_text() for t in fig.axes[7].get_legend().get_texts()]
     assert phases == ["generate", "verify", "old logprobs", "update", "eval", "save"]
     top = fig.axes[7].collections[-1].get_paths()[0].vertices[:, 1].max()
