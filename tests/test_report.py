@@ -48,6 +48,8 @@ def watched(digit_model, const7_file, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_MODE", "offline")
         mp.setenv("WANDB_SILENT", "true")
+        for name in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):  # W&B's staging: not the home's
+            mp.setenv(name, str(tmp / name.lower()))
         mp.setenv("TRACKIO_DIR", str(tmp / "trackio"))
         if "trackio" in INSTALLED:
             import trackio.sqlite_storage
