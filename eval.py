@@ -30,6 +30,7 @@ Every flag: python eval.py --help.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -79,6 +80,9 @@ class EvalConfig:  # flags parsed by pacs.parse_flags (HfArgumentParser), as pac
     report: Optional[list[str]] = flag(None, "compare finished runs instead of evaluating", metavar="DIR")
     report_out: str = flag("report.png", "PNG written by --report "
                            "(pass@k against k, one subplot per dataset)")
+    report_to: Optional[list[str]] = flag(None, "also log the summary (pass@k, avg@n, length, truncation "
+                                          "per dataset) and the flags to tensorboard, trackio or wandb, as "
+                                          "pacs.py --report-to", metavar="TRACKER")
 
     def __post_init__(self):  # flags left unset take --protocol's value
         if self.protocol not in PROTOCOLS:
@@ -334,6 +338,7 @@ def evaluate(args):
     if not args.model:
         raise ConfigError("--model is required (or --report DIR ... to compare finished runs)")
     ks = parse_ks(args.k, args.n)
+    trackers = pacs.report_targets(args.report_to)
     data = load_datasets(args)  # bad names fail here, before the model loads
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "samples.jsonl")
@@ -395,9 +400,26 @@ def evaluate(args):
     with open(tmp, "w") as f:
         json.dump(metrics, f, indent=2)
     os.replace(tmp, os.path.join(args.out, "metrics.json"))
+    report_summary(trackers, args, metrics)
     print_tables(metrics)
     print(f"\nwrote {path} and {os.path.join(args.out, 'metrics.json')}")
     return metrics
+
+
+def report_summary(trackers, args, metrics):
+    """--report-to: one row of scalars at step 0, DATASET/pass@K, DATASET/avg@n (and its interval's ends),
+    DATASET/mean_length, DATASET/truncated, and the flags as the run's config; a run named after --out."""
+    if not trackers:
+        return
+    row = {"step": 0}
+    for name, m in metrics["datasets"].items():
+        row.update({f"{name}/pass@{k}": v for k, v in m["pass@k"].items()})
+        row.update({f"{name}/avg@n": m["avg@n"], f"{name}/avg@n_ci95_low": m["avg@n_ci95"][0],
+                    f"{name}/avg@n_ci95_high": m["avg@n_ci95"][1], f"{name}/mean_length": m["mean_length"],
+                    f"{name}/truncated": m["truncated"], f"{name}/problems": m["problems"]})
+    run = pacs.Trackers(trackers, args.out, dataclasses.asdict(args))
+    run.log(row)
+    run.close()
 
 
 # =====================================================================================================

@@ -37,6 +37,7 @@ import os
 import random
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -124,6 +125,9 @@ class Config:
     save_every: int = flag(20, "checkpoint every N steps (and at the end)")
     resume: bool = flag(False, "continue from the latest checkpoint in out_dir")
     log_samples_every: int = flag(10, "print and store a few completions every N steps")
+    report_to: Optional[list[str]] = flag(None, "also log each step's metrics, the config and those "
+                                          "completions to tensorboard, trackio or wandb (several at "
+                                          "once; all: those installed; none, the default)", metavar="TRACKER")
     device: Literal["auto", "cpu", "cuda"] = flag("auto", "auto | cpu | cuda")
     rollout_dtype: Literal["auto", "bf16", "fp32"] = flag("auto", "weights generate() runs on: "
                                                           "auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
@@ -619,6 +623,9 @@ def train(cfg):
     with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2)
 
+    trackers = Trackers(report_targets(cfg.report_to), cfg.out_dir, dataclasses.asdict(cfg), start,
+                        cfg.log_samples_every)
+    drawing = None  # the thread redrawing curves.png
     print(f"[pacs] {cfg.algo} | model {cfg.model} on {device} | {len(problems)} prompts | "
           f"{cfg.prompts_per_step} x {cfg.group_size} samples/step, {cfg.num_mini_batches} updates/step",
           file=sys.stderr)
@@ -640,6 +647,7 @@ def train(cfg):
         tqdm_write(step_line(metrics))
         with open(metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
+        trackers.log(metrics, examples)
         if cfg.log_samples_every > 0 and step % cfg.log_samples_every == 0:
             with open(os.path.join(cfg.out_dir, "samples.jsonl"), "a") as f:
                 f.writelines(json.dumps({"step": step, **e}) + "\n" for e in examples)
@@ -652,6 +660,8 @@ def train(cfg):
             last_save = time.time()
             time_save = last_save - t0
             print(f"[save] checkpoint-{step:06d} in {time_save:.1f} s", file=sys.stderr)
+            drawing = redraw_curves(cfg.out_dir, drawing, wait=last)
+    trackers.close()
     stop_verify_workers()
     return model
 
@@ -1864,6 +1874,180 @@ def latest_checkpoint(out_dir):
 
 
 # =====================================================================================================
+# Watching a run: --report-to's trackers, and OUT/curves.png redrawn at each checkpoint
+# =====================================================================================================
+TRACKERS = ("tensorboard", "trackio", "wandb")  # --report-to's names, each its own pip package
+
+
+def report_targets(names):
+    """--report-to's trackers, checked before any model loads: unset or `none`, none; `all`, those installed (as TRL
+    reads it); several, space- or comma-separated. An unknown or missing one is a one-line error."""
+    wanted = list(dict.fromkeys(n for name in names or [] for n in name.split(",") if n and n != "none"))
+    if "all" in wanted:
+        return [n for n in TRACKERS if importlib.util.find_spec(n)]
+    for n in wanted:
+        if n not in TRACKERS:
+            raise ConfigError(f"--report-to {n!r}: use none, all, or some of {', '.join(TRACKERS)}")
+        if importlib.util.find_spec(n) is None:
+            raise ConfigError(f"--report-to {n}: the package is not installed: pip install {n}")
+    return wanted
+
+
+def open_tensorboard(out_dir, name, config, start, ids):
+    """OUT/tensorboard/ (tensorboard --logdir OUT). purge_step: TensorBoard drops what a killed run logged from
+    `start` on, so a resumed run's steps replace them, one curve."""
+    from torch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=start)
+    if start == 0:
+        writer.add_text("config", "    " + json.dumps(config, indent=2).replace("\n", "\n    "), start)
+
+    def log(scalars, step, samples):
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+        if samples:
+            rows = [[str(v).replace("|", "\\|").replace("\n", " ") for v in s.values()] for s in samples]
+            writer.add_text("samples", "\n".join("| " + " | ".join(r) + " |" for r in
+                                                  [list(samples[0]), ["---"] * len(samples[0])] + rows), step)
+        writer.flush()  # each step on disk at once: a kill loses none
+    return log, writer.close
+
+
+def open_wandb(out_dir, name, config, start, ids):
+    """W&B: online, or WANDB_MODE=offline (OUT/wandb/offline-run-*, uploaded later by `wandb sync`). A resumed run
+    continues the run id that OUT/trackers.json keeps."""
+    import wandb
+    run = wandb.init(project=os.environ.get("WANDB_PROJECT", "pacs"), name=name, dir=out_dir,
+                     config=config if start == 0 else None,
+                     id=ids.setdefault("wandb", os.urandom(6).hex()), resume="allow", reinit="finish_previous")
+
+    def log(scalars, step, samples):
+        table = samples and wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])
+        run.log({**scalars, **({"samples": table} if samples else {})}, step=step)
+    return log, run.finish
+
+
+def open_trackio(out_dir, name, config, start, ids):
+    """Trackio: local (a SQLite file under TRACKIO_DIR, default ~/.cache/huggingface/trackio; `trackio show`), or
+    a Space with TRACKIO_SPACE_ID. A resumed run continues the run name that OUT/trackers.json keeps, its config
+    given again: Trackio's init replaces a run's config."""
+    import trackio
+    run = trackio.init(project="pacs", name=ids.setdefault("trackio", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"),
+                       config=config, resume="allow")
+
+    def log(scalars, step, samples):
+        table = samples and trackio.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])
+        run.log({**scalars, **({"samples": table} if samples else {})}, step=step)
+    return log, run.finish
+
+
+OPEN_TRACKER = {"tensorboard": open_tensorboard, "trackio": open_trackio, "wandb": open_wandb}
+
+
+class Trackers:
+    """A run's --report-to trackers: every scalar of a metrics row at its step, the config when the run starts
+    (start 0), the sampled completions as a table every samples_every steps. A resumed run (start > 0) continues
+    the same run. A tracker that fails warns once and is dropped; metrics.jsonl stays the record."""
+
+    def __init__(self, names, out_dir, config, start=0, samples_every=0, name=None):
+        ids_path, ids = os.path.join(out_dir, "trackers.json"), {}
+        if start > 0 and os.path.isfile(ids_path):
+            with open(ids_path) as f:
+                ids = json.load(f)
+        self.live, self.samples_every = {}, samples_every
+        for tracker in names:
+            opened = self.guard(tracker, OPEN_TRACKER[tracker], out_dir, name or os.path.basename(
+                os.path.abspath(out_dir)), config, start, ids)
+            self.live.update({tracker: opened} if opened else {})
+        if ids:
+            with open(ids_path, "w") as f:
+                json.dump(ids, f)
+
+    def guard(self, tracker, call, *args):
+        try:
+            return call(*args)
+        except Exception as e:  # the tracker's failure, never the run's
+            print(f"[report] {tracker} failed ({type(e).__name__}: {e}); no more logging to it, metrics.jsonl "
+                  f"has every step", file=sys.stderr)
+            self.live.pop(tracker, None)
+
+    def log(self, metrics, samples=None):
+        step = metrics["step"]
+        scalars = {k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float))}
+        samples = [{"step": step, **s} for s in samples or []] if self.samples_every and \
+            step % self.samples_every == 0 else []
+        for tracker, (log, _) in list(self.live.items()):
+            self.guard(tracker, log, scalars, step, samples)
+
+    def close(self):
+        for tracker, (_, close) in list(self.live.items()):
+            self.guard(tracker, close)
+        self.live = {}
+
+
+CURVES = (("reward", "reward"), ("mixed groups (share)", "mixed_groups"), ("response length (tokens)", "response_len"),
+          ("entropy (per token)", "entropy"), ("psi's spread (std in the batch)", "psi_std"),
+          ("critic AUC (ranks R=1 above R=0)", "critic_auc"), ("held-out greedy accuracy", "eval_acc"))
+PHASES = ("time_generate", "time_verify", "time_old_logprobs", "time_update", "time_eval", "time_save")
+
+
+def draw_curves(out_dir):
+    """OUT/curves.png from OUT/metrics.jsonl: a panel per metric of CURVES against step (with a running mean over
+    a twentieth of its points, past 40), and the step's seconds split by phase. Matplotlib's object API, no pyplot:
+    this runs in a thread beside the training. Written to a temporary file, then renamed; returns the figure."""
+    from matplotlib.figure import Figure
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:  # a line the loop is writing now: the next drawing's
+        rows = [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
+    fig = Figure(figsize=(16, 7), layout="tight")
+    axes = fig.subplots(2, 4).flat
+    for ax, (title, key) in zip(axes, CURVES):
+        points = [(r["step"], float(r[key])) for r in rows if r.get(key) is not None]
+        (steps, values), window = zip(*points) if points else ((), ()), max(1, len(points) // 20)
+        ax.plot(steps, values, ".-" if window == 1 else ".", alpha=1 if window == 1 else 0.35)
+        if window > 1:
+            ax.plot(steps, [np.mean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))], "-",
+                    color="C0", label=f"running mean of {window}")
+            ax.legend(fontsize=8)
+        if not points:
+            ax.text(0.5, 0.5, "not logged by this run", transform=ax.transAxes, ha="center", color="gray")
+        ax.set(title=title, xlabel="step")
+        ax.grid(alpha=0.3)
+    phases = [k for k in PHASES if any(r.get(k) for r in rows)]
+    seconds = [[r.get(k) or 0.0 for r in rows] for k in phases]  # (phases, steps)
+    axes[7].stackplot([r["step"] for r in rows], *seconds, labels=[k[5:].replace("_", " ") for k in phases])
+    axes[7].set(title="step time by phase (s)", xlabel="step", ylim=(0, 1.4 * max(map(sum, zip(*seconds)), default=1)))
+    axes[7].legend(fontsize=8, loc="upper left", ncols=3)  # above the stack: the headroom of ylim
+    fig.suptitle(f"{out_dir}: {len(rows)} steps", fontsize=10)
+    path = os.path.join(out_dir, "curves.png")
+    fig.savefig(path + ".tmp.png", dpi=90)
+    os.replace(path + ".tmp.png", path)
+    return fig
+
+
+def draw_curves_or_warn(out_dir):
+    try:
+        draw_curves(out_dir)
+    except Exception as e:  # a figure never stops a run
+        print(f"[curves] {out_dir}/curves.png not drawn ({type(e).__name__}: {e})", file=sys.stderr)
+
+
+def redraw_curves(out_dir, drawing=None, wait=False):
+    """Redraw OUT/curves.png in a thread beside the training, skipped while the previous drawing (drawing) runs;
+    wait (the run's end): after that one, done on return. Returns the thread. A thread, not a child process: it
+    starts at once with the modules loaded, where a child would import torch again (about 2 s of CPU) and
+    matplotlib each checkpoint; it holds the GIL about a second per drawing, once per checkpoint."""
+    if drawing is not None and drawing.is_alive():
+        if not wait:
+            return drawing
+        drawing.join()
+    import matplotlib.figure  # noqa: F401  (here: a module the thread half-imported is what other imports see)
+    thread = threading.Thread(target=draw_curves_or_warn, args=(out_dir,), name="pacs-curves")
+    thread.start()
+    if wait:
+        thread.join()
+    return thread
+
+
+# =====================================================================================================
 # Flags, optimizer, model setup
 # =====================================================================================================
 def parse_flags(cls, description, argv=None):
@@ -1910,6 +2094,7 @@ def check_config(cfg):
                           f"or 0 for no dual clip; got {cfg.clip_c}")
     if not (0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
         raise ConfigError(f"--gamma and --lam must be in [0, 1], got {cfg.gamma} and {cfg.lam}")
+    report_targets(cfg.report_to)
 
 
 def make_optimizer(cfg, model, fused=True, lr=None):
