@@ -116,3 +116,12 @@ def test_the_beta_table_pairs_each_beta_with_beta_1_and_the_next_one_up():
     assert one[3] == "–" and one[5].startswith("-0.030 [") and two[3].startswith("+0.030 [") and two[5] == "– |"
     assert two[2].startswith(f"{np.mean([0.55, 0.562, 0.57, 0.582]):.3f} [")
     assert reference.beta_table({"runs": [r for r in runs if r["method"] == "pacs"]}) == []
+
+
+def test_the_lab_pages_beta_table_is_the_one_reference_py_prints():
+    lab_dir = os.path.join(ROOT, "experiments", "labs", "lab")
+    with open(os.path.join(lab_dir, "summary.json")) as f:
+        rows = reference.beta_table(json.load(f))
+    with open(os.path.join(lab_dir, "README.md"), encoding="utf-8") as f:
+        page = f.read().splitlines()
+    assert len(rows) == 8 and all(row in page for row in rows), "experiments/labs/lab/README.md's β table is stale"
