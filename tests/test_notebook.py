@@ -229,7 +229,8 @@ def test_the_toy_sections_print_now_what_the_notebook_saved(monkeypatch):
 
 
 def test_a_printout_differs_in_any_character_but_the_residuals_noise():
-    saved = "loss 0.6931\nmax |difference| over all tokens: 7.5e-09\nweights: |grad L + policy gradient| = 2.6e-08 (x)\n"
+    saved = ("loss 0.6931\nmax |difference| over all tokens: 7.5e-09\n"
+             "weights: |grad L + policy gradient| = 2.6e-08 (x)\n")
     assert printout_problem(saved.replace("2.6e-08", "2.8e-08").replace("7.5e-09", "0.0e+00"), saved) is None
     assert "0.6932" in printout_problem(saved.replace("0.6931", "0.6932"), saved)
     assert "not float noise" in printout_problem(saved.replace("2.6e-08", "3.1e-03"), saved)

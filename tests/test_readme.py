@@ -197,8 +197,8 @@ def test_the_copying_snippet_runs_and_prints_what_the_readme_says(monkeypatch):
 
 
 def test_the_quickstart_quotes_its_committed_log_and_shows_the_critic():
-    """The quickstart runs M >= 2, so its log's critic columns hold numbers; the lines it quotes are lines of the log it
-    links, the only log in experiments/logs/ (a new run's log replaces the old); its mean rewards are the log's."""
+    """The quickstart runs M >= 2, so its log's critic columns hold numbers; the lines it quotes are lines of the log
+    it links, the only log in experiments/logs/ (a new run's log replaces the old); its mean rewards are the log's."""
     text = readme_text()
     command = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1)
     assert int(re.search(r"--num-mini-batches (\d+)", command).group(1)) >= 2, "M = 1: the critic never acts"
