@@ -83,8 +83,8 @@ class Config:
                                  "puts 1/2 in its place (the ablation that isolates the critic)")
     ref_reset_every: int = flag(1, "PACS: pi_ref of r_hat. 1 = pi_old, the policy that sampled each "
                                 "rollout (the official code); K >= 2 = a frozen copy of the weights, reset "
-                                "to pi_theta with AdamW's state every K rollout steps (paper v2); 0 = never "
-                                "reset (Eq. 7's fixed pi_ref)")
+                                "to pi_theta with AdamW's state every K rollout steps (paper v2 resets, with "
+                                "no period given: K is this trainer's); 0 = never reset (Eq. 7's fixed pi_ref)")
     ref_reset_optimizer: bool = flag(True, "PACS, --ref-reset-every K >= 2: clear AdamW's moments and step "
                                      "count at each reset (paper v2); --no-ref-reset-optimizer keeps them")
     loss_agg: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
@@ -179,7 +179,7 @@ class ConfigError(Exception):
 #   i, j, k  rows (responses) in the derivation; in class_balance_weights k counts a group's correct ones
 # Rows i*G ... i*G+G-1 are the G responses to prompt i.
 #
-# Why a supervised loss is a policy gradient (paper Sec. 3; the derivation the test suite checks):
+# Why a supervised loss is a policy gradient (the official loss's gradient; the derivation the test suite checks):
 #   loss            L = (1/B) sum_k w_k * BCE(sigma(psi_k), R_k)
 #   BCE'            dBCE/dpsi_k = sigma(psi_k) - R_k              =>  dL/dpsi_k = c_k / B,
 #                   c_k = w_k (sigma(psi_k) - R_k)
@@ -203,8 +203,8 @@ class ConfigError(Exception):
 #     mini-batch gets A_k = w_k (R_k - 1/2) - mean; the gradient differs from PACS's by exactly
 #     beta G/(B(G-1)) (d_k - mean_group(d)) mask[k,t] with d_k = w_k (sigma(psi_k) - 1/2).
 # Paper v2 vs the official code (the defaults follow the code):
-#   * The paper's gradient has an extra "actor" term l * grad log pi; the official loss has no such term,
-#     its gradient is exactly the one above.
+#   * Paper v2's Eq. 5 adds an "actor" term l * grad log pi (App. A.1: l_BCE + beta (R - sigma(psi))); the
+#     official loss has no such term, its gradient is exactly the one above.
 #   * Paper v2 writes r_hat against a frozen pi_ref, hard-reset to a recent snapshot of pi_theta with the
 #     optimizer states re-initialised (Sec. 3.4, no period given); the code uses pi_old, the policy that sampled
 #     each rollout. Both enter these functions as old_logprobs: pi_ref's log-probs are what the trainer passes

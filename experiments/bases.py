@@ -25,6 +25,7 @@ import subprocess
 import sys
 
 import numpy as np
+from scipy import stats as scipy_stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -215,6 +216,13 @@ def fmt(x):
     return "–" if x is None else f"{x:+.3f}".replace("-", "−")
 
 
+def p_text(mean, se, df):
+    """' p X': the two-sided t-test of a zero mean with this standard error and df; '' where one is missing."""
+    if mean is None or not se or not df:
+        return ""
+    return f" p {2 * scipy_stats.t.sf(abs(mean / se), df):.2g}"
+
+
 def table(entry):
     """summary.json's "bases" as markdown: per claim the first base's paired mean (its seeds), each new base's; over
     bases the mixed model's interval (t with K - 1 df) beside the t-interval over the K base means, the first base's
@@ -231,8 +239,12 @@ def table(entry):
         cells = [f"{fmt(per[n]['mean'])} ({per[n]['seeds']})" if n in per else "" for n in names]
         o, t = c["over_bases"], c["t_over_base_means"]
         over = (f"{fmt(o['mean'])} [{fmt(o['ci95'][0])}, {fmt(o['ci95'][1])}]" + (" ‡" if o["boundary"] else "")
+                + p_text(o["mean"], o.get("se"), o.get("df"))
                 + ("" if o.get("converged", True) else " (no REML optimum found)"))
-        means = f"{fmt(t['mean'])} [{fmt(t['ci95'][0])}, {fmt(t['ci95'][1])}]"
+        base_means = [p["mean"] for p in c["per_base"]]
+        means = (f"{fmt(t['mean'])} [{fmt(t['ci95'][0])}, {fmt(t['ci95'][1])}]"
+                 + p_text(float(np.mean(base_means)), float(np.std(base_means, ddof=1) / np.sqrt(len(base_means))),
+                          len(base_means) - 1))
         weights = dict(zip([p["base"] for p in c["per_base"]], o.get("weights") or []))
         share = "–" if weights.get(names[0]) is None else f"{weights[names[0]]:.2f}"
         lines.append("| " + " | ".join([f"{c['a']} − {c['b']}", c["metric"].replace("final_entropy", "entropy"),
@@ -242,8 +254,9 @@ def table(entry):
         "\n\n(n): RL seeds on that base; base 0 is the shipped base. Mixed model: the base a random intercept, "
         "REML (stats.over_bases), t with K − 1 df. ‡: its between-base SD is negligible beside the seeds' (at or "
         "near 0), so it weighs each base by its seeds and the shipped base carries most of the weight; the "
-        "t-interval over the K base means weighs every base alike. Holds on: the bases whose mean over their seeds "
-        "has base 0's sign.\n")
+        "t-interval over the K base means weighs every base alike. p: the two-sided t-test of a zero mean, K − 1 df; "
+        "the rows held at once ask p < 0.05 / rows (Bonferroni). Holds on: the bases whose mean over their seeds has "
+        "base 0's sign, a count of signs, not a test.\n")
 
 
 def paired_diffs(runs, a, b, metric):

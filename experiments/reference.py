@@ -151,8 +151,32 @@ def period(arm):
     return name + ("" if arm["clears_optimizer"] else ", AdamW kept")
 
 
+BETAS = {"pacs-beta0.1": 0.1, "pacs-beta0.5": 0.5, "pacs": 1.0, "pacs-beta2": 2.0, "pacs-beta4": 4.0,
+         "pacs-beta10": 10.0}  # v2's beta axis: the sweep's arms and v2's ablation ends
+
+
+def beta_table(summary):
+    """v2's β axis in markdown, from the summary's runs (printed, not stored): per β its test pass@1, its paired
+    difference from β = 1 (PACS) and from the next β up; no β other than 1 ran: []."""
+    runs = [r for r in summary.get("runs", []) if r["method"] in BETAS]
+    methods = sorted({r["method"] for r in runs}, key=BETAS.get)
+    if methods == [] or methods == ["pacs"]:
+        return []
+    out = ["| β | seeds | test pass@1 | − β = 1 | detectable | − the next β up |", "|---:|---:|---:|---:|---:|---:|"]
+    for i, m in enumerate(methods):
+        pass1 = t_interval([r["pass@1"] for r in runs if r["method"] == m])
+        to_one = [paired_entry(runs, m, "pacs", "pass@1", None)] if m != "pacs" else []
+        up = [paired_entry(runs, m, methods[i + 1], "pass@1", None)] if i + 1 < len(methods) else []
+        out.append(f"| {BETAS[m]:g} | {sum(r['method'] == m for r in runs)} | "
+                   f"{ci({'mean': pass1[0], 'ci95_t': pass1[1:]})} | {diff(to_one, 'pacs', 'pass@1')} | "
+                   f"{detectable(to_one, 'pacs', 'pass@1')} | "
+                   f"{diff(up, methods[i + 1], 'pass@1') if up else '–'} |")
+    return out
+
+
 def tables(summary):
-    """The markdown tables of experiments/results.md's reference-policy section, from a summary.json."""
+    """The markdown tables of experiments/results.md's reference-policy section and v2's ablations (the β axis
+    last), from a summary.json."""
     ref, abl = summary.get("reference"), summary.get("v2_ablations")
     out = []
     if ref:
@@ -178,7 +202,8 @@ def tables(summary):
                 f"{diff(a['paired'], 'pacs', 'pass@64')} | {diff(a['paired'], 'pacs', 'final_entropy')} | "
                 f"{ci(a['critic_auc'])} | {norm(a['grad_norm'])} ({norm(a['grad_norm_pacs'])}) | "
                 f"{'–' if a['diverged'] is None else a['diverged']} of {a['seeds']} |" for a in abl]
-    return "\n".join(out)
+    beta = beta_table(summary)
+    return "\n".join(out + ([""] + beta if beta and out else beta))
 
 
 def plot(summary, path):

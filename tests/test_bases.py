@@ -262,9 +262,11 @@ def test_bases_summary_pairs_each_base_and_fits_over_them(tmp_path, monkeypatch)
     cells = [x.strip() for x in row.strip("|").split("|")]
     assert cells[2] == bases.fmt(c["per_base"][0]["mean"]) + " (16)" and cells[3].endswith("(2)")
     assert cells[5] == (f"{bases.fmt(c['over_bases']['mean'])} [{bases.fmt(c['over_bases']['ci95'][0])}, "
-                        f"{bases.fmt(c['over_bases']['ci95'][1])}]") + (" ‡" if c["over_bases"]["boundary"] else "")
+                        f"{bases.fmt(c['over_bases']['ci95'][1])}]") + (" ‡" if c["over_bases"]["boundary"] else "") \
+        + f" p {2 * sstats.t.sf(abs(c['over_bases']['mean'] / c['over_bases']['se']), 2):.2g}"
     t = c["t_over_base_means"]
-    assert cells[6] == f"{bases.fmt(t['mean'])} [{bases.fmt(t['ci95'][0])}, {bases.fmt(t['ci95'][1])}]"
+    assert cells[6] == (f"{bases.fmt(t['mean'])} [{bases.fmt(t['ci95'][0])}, {bases.fmt(t['ci95'][1])}] p "
+                        f"{sstats.ttest_1samp([p['mean'] for p in c['per_base']], 0).pvalue:.2g}")
     assert cells[7] == f"{c['over_bases']['weights'][0]:.2f}"
     assert cells[-1] == "2 of 3" and bases.fmt(-0.0123) == "−0.012"
     only = tmp_path / "only"  # a lab with no other base's runs: no entry
@@ -305,16 +307,17 @@ def test_table_prints_each_claims_numbers_from_the_entry():
              "claims": [{"a": "pacs", "b": "ppo", "metric": "final_entropy", "holds_on": 1, "of": 2,
                          "per_base": [{"base": "base", "seeds": 16, "mean": 0.0051},
                                       {"base": "bases/seed3", "seeds": 2, "mean": -0.0304}],
-                         "over_bases": {"mean": -0.0111, "ci95": [-0.2, 0.18], "between_sd": 0.0234,
-                                        "within_sd": 0.0081, "boundary": True, "converged": True,
+                         "over_bases": {"mean": -0.0111, "se": 0.0111, "df": 1, "ci95": [-0.2, 0.18],
+                                        "between_sd": 0.0234, "within_sd": 0.0081, "boundary": True, "converged": True,
                                         "weights": [0.8888, 0.1112]},
                          "t_over_base_means": {"mean": -0.0127, "ci95": [-0.3, 0.3]}}]}
     head, rule, row = bases.table(entry).splitlines()[:3]
     assert head == ("| claim | metric | base 0 | base 3 | mixed model [95%] | t over base means [95%] "
                     "| base 0's weight | between SD | within SD | holds on |")
     assert rule.count("|") == head.count("|")
-    assert row == ("| pacs − ppo | entropy | +0.005 (16) | −0.030 (2) | −0.011 [−0.200, +0.180] ‡ | −0.013 [−0.300, "
-                   "+0.300] | 0.89 | 0.023 | 0.008 | 1 of 2 |")
+    # p: t = mean / se with df 1 is 1 (p 0.5); over the two base means, mean -0.01265 and se 0.01775 (p 0.61)
+    assert row == ("| pacs − ppo | entropy | +0.005 (16) | −0.030 (2) | −0.011 [−0.200, +0.180] ‡ p 0.5 | −0.013 "
+                   "[−0.300, +0.300] p 0.61 | 0.89 | 0.023 | 0.008 | 1 of 2 |")
     entry["claims"][0]["over_bases"]["converged"] = False  # a fit without an optimum says so where it is printed
     assert "(no REML optimum found)" in bases.table(entry).splitlines()[2]
 

@@ -122,3 +122,54 @@ def test_every_python_line_fits_119_characters():
         with open(os.path.join(ROOT, f), encoding="utf-8") as fh:
             wide += [f"{f}:{i}: {len(line)}" for i, line in enumerate(fh.read().splitlines(), 1) if len(line) > 119]
     assert not wide, "lines over 119 characters:\n" + "\n".join(wide)
+
+
+def sweep_difference_table(page_text):
+    """(threshold, header cells, rows of cells) of a lab page's sweep table of differences (headed `| difference |`
+    or `| PACS − |`) and the Bonferroni threshold the page states last before it (`p < 0.05 / 12 = 0.0042`)."""
+    start = re.search(r"^\| (difference|PACS −) \|", page_text, flags=re.M)
+    assert start, "no table of differences headed | difference | or | PACS − |"
+    thresholds = re.findall(r"p < (?:0\.05 / \d+ = )?(0\.\d+)", page_text[:start.start()])
+    assert thresholds, "the page states no threshold p < ... before its table of differences"
+    table = re.match(r"(\|.*\n)+", page_text[start.start():]).group().splitlines()
+    cells = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in table]
+    return float(thresholds[-1]), cells[0], cells[2:]
+
+
+def pair_of(name):
+    """The (a, b) methods a row of a sweep table compares: `pacs − grpo`, `pacs, β = 2 − ppo`, or `grpo` under a
+    `PACS −` header; None for a control row (outside the table's family)."""
+    if name.startswith("*control"):
+        return None
+    a, _, b = name.rpartition(" − ")
+    a = re.sub(r"^pacs, β = ([\d.]+)$", r"pacs-beta\1", a) or "pacs"
+    return a, b.replace("critic-off", "pacs-critic-off").replace("pacs-pacs-", "pacs-")
+
+
+@pytest.mark.parametrize("lab", ["lab", "lab2"])
+def test_a_sweep_tables_bold_cells_are_those_past_its_threshold_and_each_p_is_summary_jsons(lab):
+    """In each lab page's table of differences a pass@k cell is bold exactly where its p passes the page's own
+    Bonferroni threshold, and every p printed there is summary.json's p_t for that pair and metric."""
+    import json
+    with open(os.path.join(LABS, lab, "README.md"), encoding="utf-8") as f:
+        threshold, header, rows = sweep_difference_table(f.read())
+    with open(os.path.join(LABS, lab, "summary.json")) as f:
+        paired = {(p["a"], p["b"], p["metric"]): p["p_t"] for p in json.load(f)["paired"]
+                  if p["prompts_per_mini_batch"] == 8}
+    checked, problems = 0, []
+    for row in rows:
+        pair = pair_of(row[0])
+        for column, cell in zip(header[1:], row[1:]):
+            metric = re.search(r"pass@\d+", column)
+            p = re.search(r"\bp ([\d.e-]+)", cell)
+            if pair is None or metric is None or p is None:
+                continue
+            checked += 1
+            p_t = paired.get((*pair, metric.group()))
+            if p_t is None or float(p.group(1)) != pytest.approx(p_t, rel=0.05, abs=1e-12):
+                problems.append(f"{row[0]}, {column}: p {p.group(1)} where summary.json has {p_t}")
+            if cell.startswith("**") != (p_t is not None and p_t < threshold):
+                problems.append(f"{row[0]}, {column}: {cell} is {'' if cell.startswith('**') else 'not '}bold, "
+                                f"its p against the page's threshold {threshold}")
+    assert checked >= 8, f"{lab}: only {checked} cells read: the table was not found"
+    assert not problems, f"experiments/labs/{lab}/README.md:\n" + "\n".join(problems)

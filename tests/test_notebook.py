@@ -50,6 +50,32 @@ def toy_cells(nb):
     raise AssertionError(f"no markdown cell starts with {LAB_HEADING!r}")
 
 
+# The residuals the toy cells print: float32 rounding noise, whose digits change with the CPU's kernels (AVX-512,
+# AVX2 or none: ATEN_CPU_CAPABILITY=default and =avx2 try them). A printout is compared with them masked, and each
+# residual, saved or printed now, must be below RESIDUAL_BOUND.
+RESIDUAL = re.compile(r"(max \|difference\| over all tokens: |\|grad L \+ policy gradient\| = )(\S+)")
+RESIDUAL_BOUND = 1e-6  # float32 noise on values of order 0.1-1 is ~1e-8; a wrong derivation is off by ~0.01
+
+
+def residuals(printout):
+    """(the printout with every residual masked, [the residuals as floats])."""
+    return RESIDUAL.sub(r"\1<residual>", printout), [float(v) for _, v in RESIDUAL.findall(printout)]
+
+
+def printout_problem(now, saved):
+    """Why the printout `now` is not the `saved` one, or None: equal character for character once the residuals are
+    masked, and every residual on both sides below RESIDUAL_BOUND."""
+    (now_text, now_res), (saved_text, saved_res) = residuals(now), residuals(saved)
+    if now_text != saved_text:
+        now_lines, saved_lines = now_text.split("\n"), saved_text.split("\n")
+        i = next((i for i, (a, b) in enumerate(zip(now_lines, saved_lines)) if a != b), None)
+        if i is None:
+            return f"it prints {len(now_lines)} lines where the notebook saved {len(saved_lines)}"
+        return f"line {i} reads {now_lines[i]!r} where the notebook saved {saved_lines[i]!r}"
+    noise = [v for v in now_res + saved_res if not abs(v) < RESIDUAL_BOUND]
+    return f"residuals {noise} are not float noise (< {RESIDUAL_BOUND:g})" if noise else None
+
+
 def lines_of(path):
     with open(path, encoding="utf-8") as f:
         return f.read().splitlines()
@@ -154,8 +180,7 @@ def test_saved_outputs_say_what_the_derivation_says():
         assert float(autograd) == pytest.approx(G / (B * (G - 1)) * float(A),
                                                 abs=G / (B * (G - 1)) * 5e-4)  # A: 3 places
         assert (float(A) > 0) == (R == "1")  # at psi = 0: +G/(4k) right, -G/(4(G-k)) wrong
-    assert float(re.search(r"max \|difference\| over all tokens: (\S+)", out).group(1)) < 1e-6
-    assert float(re.search(r"\|grad L \+ policy gradient\| = (\S+)", out).group(1)) < 1e-6
+    assert len(residuals(out)[1]) == 2 and all(abs(r) < RESIDUAL_BOUND for r in residuals(out)[1])
     aucs = re.findall(r"^beta\s+(\S+): AUC (\S+) over \d+ pairs \| advantage rewritten by the critic (\d+)%", out,
                       flags=re.M)
     assert [b for b, _, _ in aucs] == ["0.5", "1", "2", "4"]
@@ -186,7 +211,8 @@ def test_saved_outputs_of_the_lab_and_the_runs():
 # ---------------------------------------------------------------------------------------------------
 def test_the_toy_sections_print_now_what_the_notebook_saved(monkeypatch):
     """Sections 1-2 rerun here, each cell compiled as the notebook's own code (so a deprecated call in a cell is an
-    error, tests/conftest.py): every line they print equals the saved one."""
+    error, tests/conftest.py): they print what the notebook saved, character for character but the residuals'
+    float noise (printout_problem)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -197,8 +223,18 @@ def test_the_toy_sections_print_now_what_the_notebook_saved(monkeypatch):
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             exec(compile(text(cell), NOTEBOOK, "exec"), namespace)
-        assert printed.getvalue() == stdout(cell), f"toy code cell {i} prints otherwise than the notebook saved"
+        why = printout_problem(printed.getvalue(), stdout(cell))
+        assert why is None, f"toy code cell {i}: {why}"
     plt.close("all")
+
+
+def test_a_printout_differs_in_any_character_but_the_residuals_noise():
+    saved = ("loss 0.6931\nmax |difference| over all tokens: 7.5e-09\n"
+             "weights: |grad L + policy gradient| = 2.6e-08 (x)\n")
+    assert printout_problem(saved.replace("2.6e-08", "2.8e-08").replace("7.5e-09", "0.0e+00"), saved) is None
+    assert "0.6932" in printout_problem(saved.replace("0.6931", "0.6932"), saved)
+    assert "not float noise" in printout_problem(saved.replace("2.6e-08", "3.1e-03"), saved)
+    assert printout_problem(saved.replace(" (x)", ""), saved) and printout_problem(saved + "\n", saved)
 
 
 def notebook_runner():
@@ -250,8 +286,9 @@ def test_the_notebook_runs_top_to_bottom_and_writes_only_outside_the_repo(tmp_pa
     for i, cell in enumerate(cells):
         errors = [text(o, "text") for o in cell.outputs if o.output_type == "stream" and o.name == "stderr"]
         assert not errors, f"code cell {i} wrote to stderr: {errors}"
-    toy_now = [stdout(c) for c in cells[:len(saved)]]
-    assert toy_now == saved, "sections 1-2 print otherwise than the notebook saved"
+    problems = [f"toy code cell {i}: {why}" for i, (c, s) in enumerate(zip(cells, saved))
+                if (why := printout_problem(stdout(c), s))]
+    assert not problems, problems
     out = "\n".join(stdout(c) for c in cells)
     assert re.findall(r"step\s+(\d+) \| reward", out) == [str(int(TEST_STEPS) - 1)] * 4
     runs = re.search(r"^runs in (\S+)$", out, flags=re.M).group(1)

@@ -194,3 +194,25 @@ def test_the_copying_snippet_runs_and_prints_what_the_readme_says(monkeypatch):
     printed = tuple(re.findall(r"loss ([\d.]+)", out.getvalue()))
     assert printed == claimed, f"the snippet prints {printed}, the README says {claimed}"
     assert printed[0] == "0.6931" and printed[1] != printed[0], "at pi_old the loss is ln 2; after an update it is not"
+
+
+def test_the_quickstart_quotes_its_committed_log_and_shows_the_critic():
+    """The quickstart runs M >= 2, so its log's critic columns hold numbers; the lines it quotes are lines of the log
+    it links, the only log in experiments/logs/ (a new run's log replaces the old); its mean rewards are the log's."""
+    text = readme_text()
+    command = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1)
+    assert int(re.search(r"--num-mini-batches (\d+)", command).group(1)) >= 2, "M = 1: the critic never acts"
+    link = re.search(r"\[every line\]\((experiments/logs/[^)\s]+\.log)\)\)?:\n\n```\n(.*?)```", text, flags=re.S)
+    assert link, "the quickstart links no experiments/logs/*.log right above its quoted lines"
+    assert os.listdir(os.path.join(ROOT, "experiments", "logs")) == [os.path.basename(link.group(1))]
+    with open(os.path.join(ROOT, link.group(1)), encoding="utf-8") as f:
+        log = f.read().splitlines()
+    assert len(log) == int(re.search(r"--steps (\d+)", command).group(1)), "the log is not one line per step"
+    quoted = [line for line in link.group(2).splitlines() if line != "..."]
+    assert quoted and all(line in log for line in quoted), "the README quotes lines its log does not hold"
+    assert sum(bool(re.search(r"critic auc \d", line)) for line in log) >= len(log) // 2
+    rewards = [float(re.search(r"\| reward ([\d.]+) \|", line).group(1)) for line in log]
+    m = re.search(r"Mean reward ([\d.]+) over steps (\d+)–(\d+), ([\d.]+) over (\d+)–(\d+)", text)
+    for mean, first, last in (m.group(1, 2, 3), m.group(4, 5, 6)):
+        window = rewards[int(first):int(last) + 1]
+        assert float(mean) == pytest.approx(sum(window) / len(window), abs=0.0051), (mean, first, last)

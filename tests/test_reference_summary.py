@@ -103,3 +103,25 @@ def test_the_figure_is_drawn(summary, tmp_path):
     path = tmp_path / "ref.png"
     reference.plot(json.loads(json.dumps(summary)), str(path))
     assert os.path.getsize(path) > 10_000
+
+
+def test_the_beta_table_pairs_each_beta_with_beta_1_and_the_next_one_up():
+    runs = [{"method": m, "seed": s, "pass@1": base + 0.01 * s + (0.002 if s % 2 else 0)}
+            for m, base in (("pacs-beta0.5", 0.50), ("pacs", 0.52), ("pacs-beta2", 0.55), ("grpo", 0.9))
+            for s in range(4)]
+    rows = reference.beta_table({"runs": runs})
+    assert rows[0].startswith("| β | seeds | test pass@1 | − β = 1 |") and len(rows) == 2 + 3  # grpo is no β
+    half, one, two = (r.split(" | ") for r in rows[2:])
+    assert half[0] == "| 0.5" and half[3].startswith("-0.020 [-0.020, -0.020]") and half[5].startswith("-0.020")
+    assert one[3] == "–" and one[5].startswith("-0.030 [") and two[3].startswith("+0.030 [") and two[5] == "– |"
+    assert two[2].startswith(f"{np.mean([0.55, 0.562, 0.57, 0.582]):.3f} [")
+    assert reference.beta_table({"runs": [r for r in runs if r["method"] == "pacs"]}) == []
+
+
+def test_the_lab_pages_beta_table_is_the_one_reference_py_prints():
+    lab_dir = os.path.join(ROOT, "experiments", "labs", "lab")
+    with open(os.path.join(lab_dir, "summary.json")) as f:
+        rows = reference.beta_table(json.load(f))
+    with open(os.path.join(lab_dir, "README.md"), encoding="utf-8") as f:
+        page = f.read().splitlines()
+    assert len(rows) == 8 and all(row in page for row in rows), "experiments/labs/lab/README.md's β table is stale"
