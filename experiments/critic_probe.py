@@ -27,14 +27,14 @@ def rollout_updates(cfg, model, optimizer, roll, rewards, device):
     trains from: 0 on mini-batch 0, where pi_theta == pi_old; on the later ones, what the earlier updates taught."""
     sizes, rows = pacs.Sizes.typed(cfg), pacs.rows_per_mini_batch(cfg)
     mask = roll["response_mask"].float()  # (B, T)
-    old_logprobs, _ = pacs.reference_logprobs(cfg, model, None, roll, sizes, device, step=0)  # mini-batch 0: its own
+    old_logprobs, _ = pacs.reference_logprobs(cfg, model, None, roll, sizes, device)  # mini-batch 0: its own
     model.train()
     out = []
     for m in range(cfg.num_mini_batches):
         mini = slice(m * rows, (m + 1) * rows)
-        (loss, psi, _), _, _ = pacs.optimizer_step(
-            cfg, model, optimizer, f"mini-batch {m}", lambda: pacs.accumulate_mini_batch(
-                cfg, model, roll, old_logprobs, mask, rewards, mini, m == 0, device, None, None, sizes), sizes)
+        loss, psi, _ = pacs.retry_smaller(cfg, sizes, f"mini-batch {m}", model, pacs.accumulate_mini_batch, cfg, model,
+                                          roll, old_logprobs, mask, rewards, mini, m == 0, device, None, None, sizes)
+        pacs.optimizer_update(cfg, model, optimizer, f"mini-batch {m}")
         out.append((psi, float(loss)))
     model.eval()
     return out

@@ -367,7 +367,7 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
                                                      "tokenizer_config.json"]
     env = {**os.environ, "GPU_CHECK_DIR": str(gpu_dir), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), str(out), "--device", "cpu"],
-                          capture_output=True, text=True, timeout=600, env=env)
+                          capture_output=True, text=True, timeout=1300, env=env)
     log = (out / "check.log").read_text() if (out / "check.log").exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
     files = sorted(os.listdir(out))

@@ -1,5 +1,6 @@
 """End-to-end tests of pacs.py on a tiny random model (CPU, no network): training steps, checkpoints,
 resume, determinism, learning, data loading and the one-line errors."""
+import ast
 import importlib.util
 import json
 import math
@@ -270,15 +271,31 @@ def test_pacs_py_reads_in_order_with_the_plumbing_last():
     line = {n.name: n.lineno for n in ast.parse(src).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     plumbing = [i for i, text in enumerate(src.splitlines(), 1) if text.startswith("# PLUMBING: skip on a first read")]
     reading = ["Config", "pacs_score", "class_balance_weights", "pacs_loss", "agg_loss", "ppo_loss", "grpo_loss",
-               "gae", "value_loss", "reinforce_loss", "algo_loss", "group_auc", "critic_change", "train_step",
-               "reference_logprobs", "accumulate_mini_batch", "reset_reference", "train", "main"]
+               "gae", "value_loss", "reinforce_loss", "algo_loss", "group_auc", "critic_change", "pacs_advantage",
+               "implicit_critic_metrics", "train_step", "reference_logprobs", "accumulate_mini_batch", "loss_share",
+               "optimizer_update", "reset_reference", "train", "main"]
     assert [line[n] for n in reading] == sorted(line[n] for n in reading)
-    assert len(plumbing) == 1 and line["main"] < plumbing[0]
-    for name in ("batch_indices", "step_metrics", "optimizer_step", "value_model_targets", "value_model_step",
-                 "accumulate_critic", "implicit_critic_metrics", "value_model_metrics", "step_line", "load_problems",
-                 "load_model", "load_value_model", "sample", "response_hidden", "response_logprobs", "response_values",
-                 "memory_plan", "save_checkpoint", "parse_args"):
+    assert len(plumbing) == 1 and line["main"] < plumbing[0] <= 651  # at most 650 lines above the banner
+    for name in ("batch_indices", "step_metrics", "retry_smaller", "optimizer_step", "value_model_targets",
+                 "value_model_step", "accumulate_critic", "value_model_metrics", "step_line", "log_step",
+                 "load_problems", "training_problems", "restore_trainer", "load_model", "load_value_model", "sample",
+                 "response_hidden", "response_logprobs", "response_values", "memory_plan", "save_checkpoint",
+                 "parse_args"):
         assert line[name] > plumbing[0], name
+
+
+def test_one_step_reads_without_a_closure_and_fills_no_buffer_in_place():
+    """train_step's retries wrap from below (retry_smaller takes the function and its arguments): no lambda in the
+    reader's path; and pi_old's log-probs of mini-batch 0 flow as a value inside accumulate_mini_batch, never
+    written into the reference tensor."""
+    with open(os.path.join(ROOT, "pacs.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    for name in ("train_step", "accumulate_mini_batch", "reference_logprobs", "optimizer_update"):
+        assert not any(isinstance(n, ast.Lambda) for n in ast.walk(funcs[name])), name
+    writes = [t for n in ast.walk(funcs["accumulate_mini_batch"]) if isinstance(n, ast.Assign) for t in n.targets
+              if isinstance(t, ast.Subscript) and getattr(t.value, "id", "") == "reference"]
+    assert writes == []
 
 
 def test_shared_prompt_forward_matches_full_forwards(tiny_model_dir):
