@@ -301,7 +301,7 @@ def test_the_notebook_runs_top_to_bottom_and_writes_only_outside_the_repo(tmp_pa
     (total, threads) = re.findall(r"^total run time (\d+) s .* (\d+) torch threads", stdout(code_cells(nb)[-2]),
                                   flags=re.M)[0]
     assert threads == "1" and int(total) <= NOTEBOOK_BUDGET_S, \
-        f"the notebook's {TEST_STEPS}-step run took {total} s on {threads} torch threads (budget {NOTEBOOK_BUDGET_S} s)"
+        f"the notebook's {TEST_STEPS}-step run: {total} s on {threads} torch threads (budget {NOTEBOOK_BUDGET_S} s)"
     written = json.loads(stdout(code_cells(nb)[-1]))
     inside = [p for p in written if os.path.commonpath([p, ROOT]) == ROOT]
     assert not [p for p in inside if not any(re.fullmatch(pattern, p) for pattern in MAY_WRITE)], \
