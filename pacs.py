@@ -78,8 +78,8 @@ class Config:
                                  "puts 1/2 in its place (the ablation that isolates the critic)")
     ref_reset_every: int = flag(1, "PACS: pi_ref of r_hat. 1 = pi_old, the policy that sampled each "
                                 "rollout (the official code); K >= 2 = a frozen copy of the weights, reset "
-                                "to pi_theta with AdamW's state every K rollout steps (paper v2 resets, with "
-                                "no period given: K is this trainer's); 0 = never reset (Eq. 7's fixed pi_ref)")
+                                "to pi_theta with AdamW's state every K rollout steps (paper v2 gives no "
+                                "period: K is this trainer's); 0 = never reset (Eq. 7's fixed pi_ref)")
     ref_reset_optimizer: bool = flag(True, "PACS, --ref-reset-every K >= 2: clear AdamW's moments and step "
                                      "count at each reset (paper v2); --no-ref-reset-optimizer keeps them")
     loss_agg: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
