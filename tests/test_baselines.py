@@ -414,8 +414,8 @@ def test_one_ppo_step_moves_both_models_and_logs_the_critic(digit_model, tmp_pat
 
 def test_a_killed_ppo_run_resumes_to_the_uninterrupted_one(digit_model, tmp_path, monkeypatch):
     monkeypatch.setattr(pacs, "reward_fn", mixed_rewards)
-    timing = {"time_generate", "time_verify", "time_old_logprobs", "time_update", "time_eval", "time_save", "step_time",
-              "samples_per_s"}
+    timing = {"time_generate", "time_verify", "time_old_logprobs", "time_update", "time_eval", "time_save",
+              "step_time", "samples_per_s"}
     strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]
     full = run(digit_model, tmp_path / "full", "--steps", "4", "--save-every", "2")
     run(digit_model, tmp_path / "part", "--steps", "2", "--save-every", "2")  # killed after step 1's checkpoint

@@ -304,8 +304,8 @@ def test_a_resume_continues_at_the_sizes_an_out_of_memory_retry_halved(digit_mod
         inputs["input_ids"].shape[0] // 4) or real_gen(model, config, **inputs))  # prompts per generate call
     resumed = run(digit_model, tmp_path / "part", "--steps", "3", "--resume")
     assert resumed[2]["micro_batch_size"] == 2 and calls == [2, 2]
-    timing = ("time_generate", "time_verify", "time_old_logprobs", "time_update", "time_eval", "time_save", "step_time",
-              "samples_per_s")
+    timing = ("time_generate", "time_verify", "time_old_logprobs", "time_update", "time_eval", "time_save",
+              "step_time", "samples_per_s")
     strip = lambda r: {k: v for k, v in r.items() if k not in timing}
     assert strip(resumed[2]) == strip(full[2])  # the samples and the update of the uninterrupted run
 

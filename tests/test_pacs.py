@@ -15,8 +15,8 @@ import pacs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
-TIMING_KEYS = {"time_generate", "time_verify", "time_old_logprobs", "time_update", "time_eval", "time_save", "step_time",
-               "samples_per_s"}
+TIMING_KEYS = {"time_generate", "time_verify", "time_old_logprobs", "time_update", "time_eval", "time_save",
+               "step_time", "samples_per_s"}
 
 
 def run(model, dataset, out_dir, *extra):
