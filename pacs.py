@@ -1911,6 +1911,7 @@ def draw_curves(out_dir):
             ax.legend(fontsize=8)
         if not points:
             ax.text(0.5, 0.5, "not logged by this run", transform=ax.transAxes, ha="center", color="gray")
+            ax.set(xticks=[], yticks=[])
         ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
     phases = [k for k in PHASES if any(r.get(k) for r in rows)]
