@@ -632,7 +632,7 @@ def train(cfg):
         overdue = cfg.save_minutes > 0 and time.time() - last_save >= 60 * cfg.save_minutes
         if (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0) or overdue or last:
             time_save = timed_save(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer, ref_model, sizes)
-            last_save, drawing = time.time(), redraw_curves(cfg.out_dir, drawing, wait=last)
+            last_save, drawing = time.time(), redraw_curves(cfg.out_dir, drawing, last)
     trackers.close()
     stop_verify_workers()
     return model
@@ -2014,7 +2014,8 @@ def draw_curves(out_dir):
     from matplotlib.figure import Figure
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:  # a line the loop is writing now: the next drawing's
         rows = [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
-    fig = Figure(figsize=(16, 7), layout="tight")
+    fig = Figure(figsize=(16, 7))
+    fig.subplots_adjust(left=0.04, right=0.99, bottom=0.07, top=0.9, wspace=0.22, hspace=0.35)  # no layout engine
     axes = fig.subplots(2, 4).flat
     for ax, (title, key) in zip(axes, CURVES):
         points = [(r["step"], float(r[key])) for r in rows if r.get(key) is not None]
@@ -2026,6 +2027,7 @@ def draw_curves(out_dir):
             ax.legend(fontsize=8)
         if not points:
             ax.text(0.5, 0.5, "not logged by this run", transform=ax.transAxes, ha="center", color="gray")
+            ax.set(xticks=[], yticks=[])
         ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
     phases = [k for k in PHASES if any(r.get(k) for r in rows)]
@@ -2040,27 +2042,28 @@ def draw_curves(out_dir):
     return fig
 
 
-def draw_curves_or_warn(out_dir):
+def draw_curves_or_warn(out_dir, previous=None):
+    if previous is not None:
+        previous.join()
     try:
         draw_curves(out_dir)
+    except FileNotFoundError:  # the run's directory is gone (removed by its caller): nothing to draw
+        pass
     except Exception as e:  # a figure never stops a run
         print(f"[curves] {out_dir}/curves.png not drawn ({type(e).__name__}: {e})", file=sys.stderr)
 
 
-def redraw_curves(out_dir, drawing=None, wait=False):
-    """Redraw OUT/curves.png in a thread beside the training, skipped while the previous drawing (drawing) runs;
-    wait (the run's end): after that one, done on return. Returns the thread. A thread, not a child process: it
-    starts at once with the modules loaded, where a child would import torch again (about 2 s of CPU) and
-    matplotlib each checkpoint; it holds the GIL about a second per drawing, once per checkpoint."""
-    if drawing is not None and drawing.is_alive():
-        if not wait:
-            return drawing
-        drawing.join()
+def redraw_curves(out_dir, drawing=None, last=False):
+    """Redraw OUT/curves.png in a thread beside the training, skipped while the previous drawing (drawing) runs, but
+    for the run's last, which follows it. Returns the thread; the loop never waits for one, and the process exits
+    once the last is drawn (not a daemon). A thread, not a child process: it starts at once with the modules loaded,
+    where a child would import torch again (about 2 s of CPU) and matplotlib each checkpoint; it holds the GIL
+    about half a second per drawing, once per checkpoint."""
+    if drawing is not None and drawing.is_alive() and not last:
+        return drawing
     import matplotlib.figure  # noqa: F401  (here: a module the thread half-imported is what other imports see)
-    thread = threading.Thread(target=draw_curves_or_warn, args=(out_dir,), name="pacs-curves")
+    thread = threading.Thread(target=draw_curves_or_warn, args=(out_dir, drawing), name="pacs-curves")
     thread.start()
-    if wait:
-        thread.join()
     return thread
 
 

@@ -31,6 +31,13 @@ def train(model, dataset, out_dir, *extra):
         return [json.loads(line) for line in f]
 
 
+def drawings_done():
+    """Wait for the threads drawing curves.png: train() returns without waiting for its last."""
+    for thread in threading.enumerate():
+        if thread.name == "pacs-curves":
+            thread.join()
+
+
 def untimed(rows):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
@@ -64,12 +71,14 @@ def watched(digit_model, const7_file, tmp_path_factory):
         args = ["--steps", "4", "--save-every", "2", "--log-samples-every", "2", "--report-to", "all"]
         with pytest.raises(KeyboardInterrupt):
             train(digit_model, const7_file, tmp / "run", *args)
+        drawings_done()
         with open(tmp / "run" / "metrics.jsonl") as f:
             killed = [json.loads(line) for line in f]
         mp.setattr(pacs, "save_checkpoint", save)
         rows = train(digit_model, const7_file, tmp / "run", *args, "--resume")
     plain = train(digit_model, const7_file, tmp / "plain", "--steps", "4", "--save-every", "2",
                   "--log-samples-every", "2")
+    drawings_done()
     return {"dir": tmp / "run", "rows": rows, "killed": killed, "plain": plain, "trackio_dir": tmp / "trackio"}
 
 
@@ -202,6 +211,7 @@ def test_curves_split_the_step_time_by_every_phase_logged(tmp_path):
 
 
 def test_curves_are_drawn_beside_the_step_one_drawing_at_a_time(tmp_path, monkeypatch):
+    drawings_done()
     started, release, drawn = threading.Event(), threading.Event(), []
 
     def slow_draw(out_dir):
@@ -212,14 +222,18 @@ def test_curves_are_drawn_beside_the_step_one_drawing_at_a_time(tmp_path, monkey
     first = pacs.redraw_curves("a")
     assert started.wait(10) and first.is_alive()  # returned while drawing: the step goes on
     assert pacs.redraw_curves("b", first) is first  # a checkpoint during a drawing skips its own
+    last = pacs.redraw_curves("c", first, last=True)  # the run's last: queued after it, not waited for
+    assert last is not first and last.is_alive() and not last.daemon  # the process exits once it is drawn
     release.set()
-    last = pacs.redraw_curves("c", first, wait=True)  # the run's end: after the previous one, done on return
+    last.join(10)
     assert not first.is_alive() and not last.is_alive() and drawn == ["a", "c"]
 
 
 def test_a_failing_figure_warns_and_the_run_goes_on(digit_model, const7_file, tmp_path, monkeypatch, capsys):
+    drawings_done()
     monkeypatch.setattr(pacs, "draw_curves", lambda out_dir: (_ for _ in ()).throw(OSError("No space left")))
     rows = train(digit_model, const7_file, tmp_path, "--steps", "2", "--save-every", "1")
+    drawings_done()
     assert [r["step"] for r in rows] == [0, 1]
     assert capsys.readouterr().err.count("curves.png not drawn (OSError: No space left)") == 2
 
