@@ -1125,7 +1125,12 @@ def gguf_to_hf_dir(path):
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.makedirs(os.path.dirname(cache), exist_ok=True)
-    os.replace(tmp, cache)
+    try:
+        os.replace(tmp, cache)
+    except OSError:  # another process converted it first (a rename onto a full directory fails): use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isfile(os.path.join(cache, "config.json")):
+            raise
     return cache
 
 

@@ -352,3 +352,25 @@ def test_smollm2_from_gguf_trains_one_step_and_saves_a_plain_checkpoint(tmp_path
 def test_held_out_greedy_accuracy_is_logged(digit_model, const7_file, tmp_path):
     rows = run(digit_model, const7_file, tmp_path, "--steps", "2", "--eval-every", "1", "--eval-size", "4")
     assert all(0.0 <= r["eval_acc"] <= 1.0 for r in rows)
+
+
+def test_two_processes_converting_one_gguf_both_get_the_converted_folder(tmp_path, monkeypatch, tiny_model_dir):
+    """The GGUF's conversion renames its folder into the cache: when another process got there first, the rename onto
+    a full folder fails, and the first one's folder is used (the quickstart beside a test run met this)."""
+    import glob
+    import shutil
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"not read: the loaders below stand in")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    real_model, real_tokenizer, real_replace = (AutoModelForCausalLM.from_pretrained,
+                                                AutoTokenizer.from_pretrained, os.replace)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda folder, **k: real_model(tiny_model_dir))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda folder, **k: real_tokenizer(tiny_model_dir))
+
+    def other_process_first(src, dst):
+        shutil.copytree(src, dst)
+        real_replace(src, dst)
+    monkeypatch.setattr(os, "replace", other_process_first)
+    out = pacs.gguf_to_hf_dir(str(gguf))
+    assert os.path.isfile(os.path.join(out, "config.json")) and glob.glob(out + ".tmp*") == []
