@@ -625,8 +625,8 @@ def train(cfg):
         if eval_problems and (step % cfg.eval_every == 0 or last):
             metrics["eval_acc"] = greedy_accuracy(rollout_model, tokenizer, eval_problems, cfg.max_new_tokens,
                                                   eval_batch_prompts(cfg, sizes, device), cache_tokens(cfg))
-        # outside the step: the weights' copy and the held-out eval, and the checkpoint written after the last step
-        metrics.update(time_eval=time.time() - t0, time_save=time_save)
+        # outside the step: the held-out eval (with the copy's refresh), and the checkpoint written after the last step
+        metrics.update(time_eval=time.time() - t0 if "eval_acc" in metrics else 0.0, time_save=time_save)
         time_save = 0.0
         log_step(cfg, step, metrics, examples, metrics_path, trackers)  # the step line, metrics.jsonl, samples
         overdue = cfg.save_minutes > 0 and time.time() - last_save >= 60 * cfg.save_minutes
