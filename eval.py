@@ -297,10 +297,12 @@ def planned_batch_size(args, device, prompt_tokens, saved):
     cfg = pacs.Config(group_size=1, max_prompt_tokens=prompt_tokens, max_new_tokens=args.max_new_tokens,
                       rollout_dtype="bf16", static_cache=args.static_cache)
     budget = pacs.plan_budget("cuda", pacs.device_memory("cuda")) - 2 * n_params  # the weights load after this
-    fits = [rows for rows in (2 ** i for i in range(13)) if sum(
-        v for k, v in pacs.memory_plan(cfg, config, n_params, "cuda", 1, rows).items()
-        if k.startswith(("KV cache of one", "generate"))) <= budget]
-    return max(fits[-1] if fits else 1, 1)
+    fits = [1]
+    for rows in (2 ** i for i in range(1, 13)):
+        parts = pacs.memory_plan(cfg, config, n_params, "cuda", 1, rows)
+        if parts["peak: generate"] - parts["state (held throughout)"] <= budget:  # the generate call's own terms
+            fits.append(rows)
+    return fits[-1]
 
 
 def check_run_config(args, has_rows):
@@ -345,13 +347,14 @@ def evaluate(args):
     done = read_finished(path)
     saved_batch_size = check_run_config(args, bool(done))
     total = sum(len(p) for p in data.values())
-    model = None
     if len(done) < total:
         device = pacs.resolve_device(args.device)
         model, tokenizer = pacs.load_model(args.model, device, torch.bfloat16 if device.type == "cuda" else
                                            torch.float32)
-        prompt_tokens = max(len(tokenizer(pacs.build_prompt(tokenizer, p["problem"]), add_special_tokens=False)
-                                ["input_ids"]) for problems in data.values() for p in problems)
+        prompt_tokens = 0  # the longest prompt, counted only where the plan or the static cache needs it
+        if args.static_cache or (args.batch_size == 0 and not saved_batch_size and device.type == "cuda"):
+            prompt_tokens = max(len(tokenizer(pacs.build_prompt(tokenizer, p["problem"]), add_special_tokens=False)
+                                    ["input_ids"]) for problems in data.values() for p in problems)
         cache_tokens = prompt_tokens + args.max_new_tokens if args.static_cache else 0
         if args.batch_size == 0:
             args.batch_size = planned_batch_size(args, device, prompt_tokens, saved_batch_size)

@@ -21,6 +21,7 @@ Every flag: python pacs.py --help.
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import glob
@@ -726,7 +727,6 @@ def set_verify_workers(workers):
     this process). 0: one per core this process may use, at most 16; 1: no pool. The workers are forked (a script
     that calls pacs in-process needs no `__main__` guard) before the model loads, run only verify (never torch), and
     are ended at exit, Ctrl-C included. Returns the worker count."""
-    import atexit
     import multiprocessing
     n = min(len(os.sched_getaffinity(0)), 16) if workers == 0 else workers
     if VERIFIER["pool"] is not None and VERIFIER["workers"] == n:
@@ -734,7 +734,6 @@ def set_verify_workers(workers):
     stop_verify_workers()
     if n > 1:
         VERIFIER["pool"] = multiprocessing.get_context("fork").Pool(n, initializer=ignore_sigint)
-        atexit.register(stop_verify_workers)
     VERIFIER["workers"] = n
     return n
 
@@ -746,9 +745,13 @@ def stop_verify_workers():
         pool.join()
 
 
+atexit.register(stop_verify_workers)  # a pool still running at exit (Ctrl-C, an error) is ended
+
+
 def retry_smaller(cfg, sizes, what, model, fn, *args):
-    """fn(*args), with model's gradients cleared first (None: a pass without them); out of memory,
-    sizes.micro_batch_size (which fn reads) halves and fn reruns from clean gradients."""
+    """fn(*args), with model's gradients cleared first (None: a pass without them). Out of memory,
+    sizes.micro_batch_size (which fn reads) halves to the next allowed size, logged, and fn reruns from clean
+    gradients; below one row it is a one-line ConfigError."""
     while True:
         if model is not None:
             model.zero_grad(set_to_none=True)
@@ -756,15 +759,17 @@ def retry_smaller(cfg, sizes, what, model, fn, *args):
             return fn(*args)
         except torch.OutOfMemoryError as e:
             error = str(e)
+        # outside `except`, whose traceback would keep the failed call's tensors alive
         if model is not None:
             model.zero_grad(set_to_none=True)  # the partial gradients go before the cache is emptied
-        _retry_smaller(cfg, sizes, what, error)  # outside `except`: the failed call's tensors are freed
-
-
-def optimizer_step(cfg, model, optimizer, what, accumulate, sizes):
-    """accumulate() under retry_smaller, then optimizer_update: (accumulate's result, grad norm, applied)."""
-    out = retry_smaller(cfg, sizes, what, model, accumulate)
-    return (out, *optimizer_update(cfg, model, optimizer, what))
+        smaller = [s for s in valid_micro_batch_sizes(cfg) if s <= sizes.micro_batch_size // 2]
+        if not smaller:
+            raise ConfigError(f"out of memory in {what} with --micro-batch-size {sizes.micro_batch_size}: lower "
+                              f"--max-new-tokens or use --gradient-checkpointing ({error.splitlines()[0]})")
+        tqdm_write(f"[memory] out of memory in {what}: --micro-batch-size {sizes.micro_batch_size} -> {smaller[-1]}")
+        sizes.micro_batch_size = smaller[-1]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 # ---- PPO's value model (--algo ppo): its targets before the updates, its step after each actor step ----------
@@ -773,24 +778,23 @@ def value_model_targets(cfg, critic, roll, rewards, sizes, device, step):
     over the whole rollout (verl's compute_advantage runs before the mini-batches) with the outcome reward R on each
     response's last token; returns = advantages + values."""
     mask = roll["response_mask"].float()  # (B, T)
-    while True:
-        try:
-            with torch.no_grad(), autocast_context(cfg, device):
-                values = torch.cat([step_values(cfg, critic, roll, sl)
-                                    for sl in micro_slices(slice(0, mask.shape[0]), sizes.micro_batch_size)])
-            break
-        except torch.OutOfMemoryError as e:
-            error = str(e)
-        _retry_smaller(cfg, sizes, f"step {step}: values", error)
+    values = retry_smaller(cfg, sizes, f"step {step}: values", None, rollout_values, cfg, critic, roll, sizes, device)
     last = mask.sum(1).long() - 1  # (B,)
     token_rewards = torch.zeros_like(mask).scatter_(1, last[:, None], rewards[:, None].to(mask.dtype))
     advantages, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam)  # (B, T), (B, T)
     return {"values": values, "advantages": advantages, "returns": returns}
 
 
+def rollout_values(cfg, critic, roll, sizes, device):
+    """The value model's V(s_t) (B, T) on every row of the rollout, no grad, sizes.micro_batch_size rows a forward."""
+    with torch.no_grad(), autocast_context(cfg, device):
+        return torch.cat([step_values(cfg, critic, roll, sl)
+                          for sl in micro_slices(slice(0, roll["response_mask"].shape[0]), sizes.micro_batch_size)])
+
+
 def value_model_step(cfg, critic, critic_optimizer, roll, ppo, mini, device, sizes, what):
-    """The value model's optimizer step on the rows `mini`, after the actor's (whose gradients optimizer_step has
-    freed: one model's at a time). Returns optimizer_step's (value loss, clipped tokens), grad norm, applied."""
+    """The value model's optimizer step on the rows `mini`, after the actor's (whose gradients optimizer_update has
+    freed: one model's at a time). Returns ((value loss, clipped tokens), grad norm, applied)."""
     mask = roll["response_mask"].float()
     critic.train()
     out = retry_smaller(cfg, sizes, what, critic, accumulate_critic, cfg, critic, roll, ppo["values"], ppo["returns"],
@@ -851,19 +855,6 @@ def resumed_sizes(cfg, planned, state):
     if sizes != planned:
         print(f"[resume] batch sizes as the checkpoint left them: {sizes} (the plan: {planned})", file=sys.stderr)
     return sizes
-
-
-def _retry_smaller(cfg, sizes, what, error):
-    """After an out-of-memory error (called outside the `except` block, whose traceback would keep the failed
-    step's tensors alive): halve sizes.micro_batch_size (to the next allowed size), logged, and empty the cache."""
-    smaller = [s for s in valid_micro_batch_sizes(cfg) if s <= sizes.micro_batch_size // 2]
-    if not smaller:
-        raise ConfigError(f"out of memory in {what} with --micro-batch-size {sizes.micro_batch_size}: lower "
-                          f"--max-new-tokens or use --gradient-checkpointing ({error.splitlines()[0]})")
-    tqdm_write(f"[memory] out of memory in {what}: --micro-batch-size {sizes.micro_batch_size} -> {smaller[-1]}")
-    sizes.micro_batch_size = smaller[-1]
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def autocast_dtype(cfg, device_type):
@@ -1840,8 +1831,9 @@ def timed_save(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer,
     """save_checkpoint, said on stderr with the seconds it took, which it returns."""
     t0 = time.time()
     save_checkpoint(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer, ref_model, sizes)
-    print(f"[save] checkpoint-{step:06d} in {time.time() - t0:.1f} s", file=sys.stderr)
-    return time.time() - t0
+    seconds = time.time() - t0
+    print(f"[save] checkpoint-{step:06d} in {seconds:.1f} s", file=sys.stderr)
+    return seconds
 
 
 def restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, sizes):

@@ -490,7 +490,7 @@ def test_ppo_puts_the_outcome_reward_on_each_responses_last_token(digit_model, d
                                                       ("pacs", 10.0, 10.0)])  # PACS's default: no clipping
 def test_the_applied_update_is_the_clipped_gradient_when_its_norm_is_above_max_grad_norm(algo, norm, applied_norm):
     # the official scripts: max_grad_norm 1.0 for GRPO and PPO, none for PACS. With SGD at lr 1 the applied
-    # update is minus the gradient optimizer_step hands to the optimizer.
+    # update is minus the gradient optimizer_update hands to the optimizer.
     cfg = pacs.Config(algo=algo)
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 3)
@@ -498,8 +498,8 @@ def test_the_applied_update_is_the_clipped_gradient_when_its_norm_is_above_max_g
     scale = norm / torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in direction]))
     before = [p.detach().clone() for p in layer.parameters()]
     backward = lambda: sum((p * d * scale).sum() for p, d in zip(layer.parameters(), direction)).backward()
-    _, grad_norm, applied = pacs.optimizer_step(cfg, layer, torch.optim.SGD(layer.parameters(), lr=1.0), "test",
-                                                backward, pacs.Sizes.typed(cfg))
+    pacs.retry_smaller(cfg, pacs.Sizes.typed(cfg), "test", layer, backward)
+    grad_norm, applied = pacs.optimizer_update(cfg, layer, torch.optim.SGD(layer.parameters(), lr=1.0), "test")
     assert applied and grad_norm == pytest.approx(norm, rel=1e-5)  # the norm before clipping is what is logged
     for b, p, d in zip(before, layer.parameters(), direction):
         torch.testing.assert_close(b - p.detach(), d * scale * applied_norm / norm, rtol=1e-5, atol=1e-6)

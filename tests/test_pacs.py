@@ -276,7 +276,7 @@ def test_pacs_py_reads_in_order_with_the_plumbing_last():
                "optimizer_update", "reset_reference", "train", "main"]
     assert [line[n] for n in reading] == sorted(line[n] for n in reading)
     assert len(plumbing) == 1 and line["main"] < plumbing[0] <= 651  # at most 650 lines above the banner
-    for name in ("batch_indices", "step_metrics", "retry_smaller", "optimizer_step", "value_model_targets",
+    for name in ("batch_indices", "step_metrics", "retry_smaller", "value_model_targets", "rollout_values",
                  "value_model_step", "accumulate_critic", "value_model_metrics", "step_line", "log_step",
                  "load_problems", "training_problems", "restore_trainer", "load_model", "load_value_model", "sample",
                  "response_hidden", "response_logprobs", "response_values", "memory_plan", "save_checkpoint",
