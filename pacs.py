@@ -143,6 +143,8 @@ class Config:
                              "mini-batch) where they fit; off: at most one group")
     static_cache: bool = flag(False, "generate into a KV cache of fixed size (prompt + response limits), "
                               "whose decode step transformers compiles on CUDA (CUDA graphs)")
+    full_rows: bool = flag(False, "log-prob forwards run each row whole (its prompt too: no shared KV cache), "
+                           "one decoder call, no mask where no row is left-padded (flash attention on CUDA)")
 
     def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
         loss_agg, max_grad_norm = OFFICIAL_PER_ALGO.get(self.algo, (None, 0.0))
@@ -1392,11 +1394,15 @@ def token_logprobs(lm_head, hidden, targets, temperature, with_entropy=False):  
         return logprobs, log_z - (torch.softmax(logits, -1) * logits).sum(-1)  # H = log Z - E_p[logit]
 
 
-def response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size=1, shared_prompt=True):
+def response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size=1, shared_prompt=True,
+                    mask_right_padding=True):
     """(hidden (b, T, H), keep (b, T)): the decoder's last hidden state s_t before each response token t (what
     predicts t, and what PPO's critic values), T trimmed to the last real token; keep marks the real tokens. With G > 1
     and shared_prompt, rows i*G..i*G+G-1 share their prompt, run once per group. shared_prompt=False runs every row
-    in full (activation checkpointing drops the KV cache in training mode)."""
+    in full (activation checkpointing drops the KV cache in training mode). mask_right_padding=False (--full-rows,
+    rows in full): the padding after a response is left out of the attention mask, and the mask is dropped where
+    no row is left-padded: under causal attention no real token sees what follows it, so its hidden state is the
+    same function, and SDPA may take its flash kernel, which takes no mask."""
     # trim columns that are padding in every row: less work, same numbers for the real tokens
     keep_p = prompt_mask.any(0).nonzero()
     keep_r = response_mask.any(0).nonzero()
@@ -1412,7 +1418,10 @@ def response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask,
                          "training mode: pass shared_prompt=False")
     if group_size == 1 or not shared_prompt:
         ids = torch.cat([prompt_ids, response_ids[:, :T]], 1)
-        hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=position_ids,  # position Lp-1+t predicts t
+        mask = attn
+        if not mask_right_padding:  # the real tokens precede the padding: only left padding needs a mask
+            mask = None if bool(prompt_mask.all()) else F.pad(prompt_mask, (0, T), value=1)  # (b, Lp + T) or None
+        hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids,  # position Lp-1+t predicts t
                          use_cache=False).last_hidden_state[:, Lp - 1:-1]  # (b, T, H)
     else:
         # Shared prompt: one forward over the b/G distinct prompts (with grad), its KV cache repeated G times
@@ -1440,12 +1449,12 @@ def _scatter_response(values, keep, width):
 
 
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0,
-                      with_entropy=False, group_size=1, chunk=LOGITS_CHUNK, shared_prompt=True):
+                      with_entropy=False, group_size=1, chunk=LOGITS_CHUNK, shared_prompt=True, mask_right_padding=True):
     """Per-token log pi(response | prompt) (b, T) from temperature-scaled logits, and optionally the entropy (b, T);
     0 where response_mask is 0. The LM head and fp32 log-softmax run over `chunk` tokens at a time, recomputed in
     backward: a micro-batch's logits (b x T x 151,936 for Qwen) and their gradient never exist in full."""
     hidden, keep = response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
-                                   shared_prompt)
+                                   shared_prompt, mask_right_padding)
     lm_head = model.get_output_embeddings()
     # only the n real response tokens go through the LM head: padding after the first EOS costs nothing
     hidden, targets = hidden[keep], response_ids[:, :keep.shape[1]][keep]  # (n, H), (n,)
@@ -1466,12 +1475,13 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     return logprobs, entropy
 
 
-def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask, group_size=1, shared_prompt=True):
+def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask, group_size=1, shared_prompt=True,
+                    mask_right_padding=True):
     """PPO's V(s_t) (b, T): the value head on the hidden state before each response token, 0 past the response (verl
     also values the state after the last token, on a return of 0, which cancels at gamma = lam = 1). The head runs
     in fp32 outside autocast (verl's is bf16): bf16 keeps ~3 digits of a regression estimate."""
     hidden, keep = response_hidden(critic, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
-                                   shared_prompt)
+                                   shared_prompt, mask_right_padding)
     with torch.autocast(hidden.device.type, enabled=False):
         values = critic.score(hidden[keep].float()).squeeze(-1)  # (n,)
     return _scatter_response(values, keep, response_ids.shape[1])
@@ -1479,12 +1489,13 @@ def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask
 
 def step_logprobs(cfg, model, roll, rows, with_entropy=False):
     """response_logprobs of the rollout's rows on the step's route: each group's prompt run once (rows of a
-    slice smaller than a group share one prompt), unless --gradient-checkpointing; on CUDA under the pinned
-    attention kernels (pin_attention), and checked finite (check_finite)."""
+    slice smaller than a group share one prompt), unless --gradient-checkpointing or --full-rows; on CUDA under the
+    pinned attention kernels (pin_attention), and checked finite (check_finite)."""
     with pin_attention(roll["prompt_ids"].device.type):
         lp, ent = response_logprobs(model, *rollout_rows(roll, rows), cfg.temperature, with_entropy=with_entropy,
                                     group_size=min(cfg.group_size, rows.stop - rows.start),
-                                    shared_prompt=not cfg.gradient_checkpointing)
+                                    shared_prompt=not (cfg.gradient_checkpointing or cfg.full_rows),
+                                    mask_right_padding=not cfg.full_rows)
     check_finite(lp, f"log-probs of rows {rows.start}..{rows.stop - 1}", roll["prompt_mask"][rows])
     return lp, ent
 
@@ -1519,7 +1530,8 @@ def check_finite(values, what, prompt_mask):
 def step_values(cfg, critic, roll, rows):
     """response_values of the rollout's rows, on the route step_logprobs takes."""
     return response_values(critic, *rollout_rows(roll, rows), group_size=min(cfg.group_size, rows.stop - rows.start),
-                           shared_prompt=not cfg.gradient_checkpointing)
+                           shared_prompt=not (cfg.gradient_checkpointing or cfg.full_rows),
+                           mask_right_padding=not cfg.full_rows)
 
 
 # ---- memory plan: what one step holds at its peak, predicted before the first step ------------------------
@@ -1604,6 +1616,9 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
     if ckpt:  # prompts run per row (see response_logprobs)
         activations = mb * (Lp + T) * _activation_bytes_per_token(c, a, True)
         masks = _attention_mask_bytes(c, a, mb, Lp + T, Lp + T, True)
+    elif cfg.full_rows:  # each row whole, no KV cache; the mask where a row is left-padded
+        activations = mb * (Lp + T) * _activation_bytes_per_token(c, a)
+        masks = _attention_mask_bytes(c, a, mb, Lp + T, Lp + T)
     else:
         activations = (groups * Lp + mb * T) * _activation_bytes_per_token(c, a) + mb * Lp * L * 2 * a * qd
         masks = _attention_mask_bytes(c, a, groups, Lp, Lp) + _attention_mask_bytes(c, a, mb, T, Lp + T)
@@ -1633,7 +1648,7 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         "logits chunk": chunk_logits + V * H * (12 + (4 if a == 2 else 0)),
         # the training forward's shared-prompt KV cache (kv_cache_itemsizes' dtypes), freed before backward: it adds
         # to the end of the forward (the last chunk's logits alive), not to the LM head's backward
-        "KV cache of the shared prompt": 0 if ckpt else mb * (Lp + T) * kv_per_token // 2 * sum(
+        "KV cache of the shared prompt": 0 if ckpt or cfg.full_rows else mb * (Lp + T) * kv_per_token // 2 * sum(
             kv_cache_itemsizes(type(c), autocast_dtype(cfg, device_type))),
     }
     # the end of the forward: that cache, the last chunk's logits and (autocast) the LM head's bf16 copy

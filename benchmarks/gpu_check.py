@@ -274,8 +274,8 @@ def summary_rows(out):
             rows.append(("allocator", f"{p.get('alloc_conf')}; expandable segments in effect: "
                                       f"{p['expandable_segments']}; plan reads {_num(p.get('plan_memory_gib'), '.1f')}"
                                       f" of {_num(p.get('total_gib'), '.1f')} GiB"))
-    for name, what in (("psi_levers", "psi_std at --lr 0, every lever on"),
-                       ("psi_ckpt", "psi_std at --lr 0, every lever on, --gradient-checkpointing")):
+    for name, what in (("psi_levers", "psi_std at --lr 0, the levers on"),
+                       ("psi_ckpt", "psi_std at --lr 0, the levers on, --gradient-checkpointing")):
         r = load(name)
         if r is None:
             rows.append((what, "FAIL: " + missing[name]))
@@ -311,9 +311,17 @@ def summary_rows(out):
     if base and levers and "error" not in base and "error" not in levers:
         ratio = lambda k: f"x{base[k] / levers[k]:.2f}" if levers[k] else "-"
         rows.append(("levers: speed-up (same card, same call)",
-                     f"step {ratio('step_s')} | generate {ratio('generate_s')} (--static-cache) | verify "
-                     f"{ratio('verify_s')} (--verify-workers 0) | old log-probs {ratio('old_logprobs_s')} and "
-                     f"updates {ratio('update_s')} (--pack-groups)"))
+                     f"step {ratio('step_s')} | generate {ratio('generate_s')} | verify {ratio('verify_s')} "
+                     f"(--verify-workers 0) | old log-probs {ratio('old_logprobs_s')} and updates "
+                     f"{ratio('update_s')} (--pack-groups --full-rows)"))
+    forms = load("forms")
+    if forms and "error" not in forms:  # one mini-batch in each form: each lever's own ratio on the update
+        f = forms.get("forms", {})
+        base = f.get("shared-8", {}).get("fwd_bwd_s")
+        rows.append(("update forms: one mini-batch forward + backward (forward)", " | ".join(
+            f"{k} {1e3 * v['fwd_bwd_s']:.0f} ms ({1e3 * v['fwd_s']:.0f})" + (
+                f" x{base / v['fwd_bwd_s']:.2f}" if base else "") if "fwd_bwd_s" in v else f"{k} FAIL"
+            for k, v in f.items())))
     for name in ("e2e_train", "e2e_resume", "e2e_eval"):
         line = status.get(name, "did not run")
         rows.append((f"README end to end: {name[4:]}", ("pass: " if line.startswith("exit 0") else "FAIL: ") + line))

@@ -449,10 +449,13 @@ def test_ppo_out_of_memory_in_the_critic_halves_the_micro_batch_and_redoes_it_fr
     monkeypatch.setattr(pacs, "response_values", small_memory)
     rows = run(digit_model, tmp_path / "oom", "--steps", "2", "--micro-batch-size", "4")
     assert "critic mini-batch 0: --micro-batch-size 4 -> 2" in capsys.readouterr().out
+    # Equal up to float noise: step 0's old log-probs and value targets ran at 4 rows a forward here, at 2 in the
+    # reference, and a matmul of other shape sums in another order (1.1e-5 apart under ATEN_CPU_CAPABILITY=default);
+    # gradients left over from the failed micro-batch would count it twice (far above 1e-4)
     for r, ref in zip(rows, reference):  # (the actor's loss sums advantages of both signs: compared by its grad norm)
         assert r["micro_batch_size"] == 2
         for key in ("value_loss", "critic_grad_norm", "grad_norm"):
-            assert r[key] == pytest.approx(ref[key], rel=1e-5), key
+            assert r[key] == pytest.approx(ref[key], rel=1e-4), key
 
 
 def test_ppo_puts_the_outcome_reward_on_each_responses_last_token(digit_model, digit_rollout, tmp_path, monkeypatch):

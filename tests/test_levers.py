@@ -1,6 +1,6 @@
 """The speed levers (docs/gpu.md), each exact where it claims to be: --static-cache samples what the dynamic cache
 samples, --verify-workers gives the in-process verdicts and leaves no process behind, --pack-groups lets the plan put
-several groups in a micro-batch, every step logs the time of its eval and of the checkpoint before it, eval.py sizes
+several groups in a micro-batch, --full-rows gives the shared prompt's log-probs and gradient, every step logs the time of its eval and of the checkpoint before it, eval.py sizes
 its batch from the memory plan on CUDA, and the prepared check's summary reads FAIL where a check failed."""
 import json
 import os
@@ -152,6 +152,71 @@ def test_pack_groups_lets_the_plan_put_several_groups_in_a_micro_batch(capsys):
     gib = (budget / 0.9 + pacs.CUDA_CONTEXT) / pacs.GiB
     tight, _ = pacs.plan_memory(pacs.Config(**{**cfg, "memory_gib": gib}, pack_groups=True), c, 100_000, "cuda")
     assert tight.micro_batch_size == 16  # as many groups as the budget fits
+
+
+# ---- --full-rows ------------------------------------------------------------------------------------------------
+def full_rows_roll(model, tok):
+    """Two prompts of unequal length (the second group left-padded), G = 4, an early EOS in two rows (right padding)."""
+    prompts = [pacs.build_prompt(tok, "What is 1 + 1?"), pacs.build_prompt(tok, "A longer one: what is 10 + 20 + 30?")]
+    torch.manual_seed(0)
+    roll = pacs.sample(model, tok, prompts, group_size=4, max_new_tokens=7)
+    roll["response_mask"][1, 3:] = 0
+    roll["response_mask"][6, 1:] = 0
+    return roll
+
+
+@pytest.mark.parametrize("rows", [slice(0, 8), slice(0, 4), slice(4, 8)])
+def test_full_rows_give_the_shared_prompts_log_probs_and_gradient(tiny_model_dir, rows):
+    """--full-rows runs each row whole with the padding after each response unmasked (no mask at all where no row
+    is left-padded: one group alone after trimming): the same log-probs and gradient as the shared-prompt route, in
+    fp32, for two groups (left padding) and for each group alone."""
+    model, tok = pacs.load_model(tiny_model_dir)
+    roll = full_rows_roll(model, tok)
+    assert (roll["prompt_mask"][rows] == 0).any() == (rows.start == 0)  # the first prompt is the shorter one
+    mask = roll["response_mask"][rows].float()
+    results = []
+    for full_rows in (False, True):
+        cfg = pacs.Config(group_size=4, temperature=0.8, full_rows=full_rows)
+        model.zero_grad()
+        lp, _ = pacs.step_logprobs(cfg, model, roll, rows)
+        (lp * mask).sum().backward()
+        results.append((lp.detach() * mask, [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    for shared, full in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-4)
+
+
+def test_full_rows_drop_the_mask_only_where_no_row_is_left_padded(tiny_model_dir, monkeypatch):
+    """The decoder gets no attention mask for one group alone (SDPA may take flash), and a mask with every response
+    column 1 for two groups of unequal prompts."""
+    model, tok = pacs.load_model(tiny_model_dir)
+    roll = full_rows_roll(model, tok)
+    seen, forward = [], type(model.base_model).forward
+
+    def spy(self, *a, attention_mask=None, **k):
+        seen.append(attention_mask)
+        return forward(self, *a, attention_mask=attention_mask, **k)
+    monkeypatch.setattr(type(model.base_model), "forward", spy)
+    cfg = pacs.Config(group_size=4, full_rows=True)
+    with torch.no_grad():
+        pacs.step_logprobs(cfg, model, roll, slice(4, 8))
+        pacs.step_logprobs(cfg, model, roll, slice(0, 8))
+    assert len(seen) == 2 and seen[0] is None
+    width = roll["response_ids"].shape[1]
+    assert (seen[1][:, -width:] == 1).all() and (seen[1][:, :-width] == 0).any()
+
+
+def test_full_rows_are_priced_by_the_plan():
+    """Each row's prompt is in the activations, and there is no shared-prompt KV cache."""
+    from transformers import Qwen2Config
+    c = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+    cfg = dict(prompts_per_step=16, group_size=4, num_mini_batches=2, max_prompt_tokens=48, max_new_tokens=32)
+    shared, full = (pacs.memory_plan(pacs.Config(**cfg, full_rows=f), c, 100_000, "cuda", 8, 1) for f in (0, 1))
+    per_token = pacs._activation_bytes_per_token(c, 2)
+    assert full["activations of a micro-batch"] == 8 * (48 + 32) * per_token
+    assert full["KV cache of the shared prompt"] == 0 and shared["KV cache of the shared prompt"] > 0
+    assert full["attention masks (SDPA)"] == pacs._attention_mask_bytes(c, 2, 8, 80, 80)
 
 
 # ---- time outside the step ---------------------------------------------------------------------------------------

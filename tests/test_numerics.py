@@ -101,7 +101,10 @@ def test_where_the_weights_have_not_moved_the_log_ratio_is_exactly_zero_under_bf
 
 def test_the_routes_do_round_differently_in_bf16(wide_model):
     """What the test above guards against is real at this width: the shared-prompt route and full rows give
-    log-probs that differ in bf16 (and agree in fp32)."""
+    log-probs that differ in bf16 (and agree in fp32), on torch's vectorised CPU kernels (AVX2, AVX-512, NEON, ...).
+    Its scalar kernels (ATEN_CPU_CAPABILITY=default) round both routes alike here: nothing to show there."""
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("ATEN_CPU_CAPABILITY=default: the scalar kernels round both routes alike at this width")
     model, tok = pacs.load_model(wide_model)
     torch.manual_seed(0)
     prompts = [pacs.build_prompt(tok, "12 + 7 ="), pacs.build_prompt(tok, "3 + 4 =")]
