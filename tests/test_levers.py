@@ -275,11 +275,11 @@ def test_the_checks_summary_reads_fail_for_a_missing_or_nonzero_psi_and_a_peak_o
     write(tmp_path / "step_default.json", step_json(update_over_plan=1.02, update_peak_gib=2.04))  # over the plan
     write(tmp_path / "step_levers.json", step_json())
     rows = dict(gpu_check.summary_rows(str(tmp_path)))
-    assert rows["psi_std at --lr 0, every lever on"].startswith("FAIL")
-    assert rows["psi_std at --lr 0, every lever on, --gradient-checkpointing"].startswith("FAIL")
+    assert rows["psi_std at --lr 0, the levers on"].startswith("FAIL")
+    assert rows["psi_std at --lr 0, the levers on, --gradient-checkpointing"].startswith("FAIL")
     assert rows["default step, today's defaults: peaks"].startswith("FAIL: over the plan")
     assert rows["default step, levers on: peaks"].startswith("within the plan")
     assert rows["--memory-gib 22.5, levers on"].startswith("FAIL: no result")  # no JSON at all
     assert rows["README end to end: train"].startswith("FAIL")  # did not run
     write(tmp_path / "psi_levers.json", {"psi_std_max": 0.0})
-    assert dict(gpu_check.summary_rows(str(tmp_path)))["psi_std at --lr 0, every lever on"].startswith("pass")
+    assert dict(gpu_check.summary_rows(str(tmp_path)))["psi_std at --lr 0, the levers on"].startswith("pass")
