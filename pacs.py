@@ -139,12 +139,15 @@ class Config:
     # speed levers (docs/gpu.md: each exact, each measured by the prepared GPU check)
     verify_workers: int = flag(1, "processes that verify a step's answers, for 64 answers or more (1: "
                                "this process; 0: one per core, at most 16)")
-    pack_groups: bool = flag(False, "memory plan: micro-batches of several whole groups (up to a "
-                             "mini-batch) where they fit; off: at most one group")
+    pack_groups: Literal["auto", "on", "off"] = flag(
+        "auto", "memory plan: micro-batches of several whole groups (up to a mini-batch) where they fit; off: at "
+        "most one group; auto: on with CUDA", nargs="?", const="on")
     static_cache: bool = flag(False, "generate into a KV cache of fixed size (prompt + response limits), "
                               "whose decode step transformers compiles on CUDA (CUDA graphs)")
-    full_rows: bool = flag(False, "log-prob forwards run each row whole (its prompt too: no shared KV cache), "
-                           "one decoder call, no mask where no row is left-padded (flash attention on CUDA)")
+    full_rows: Literal["auto", "on", "off"] = flag(
+        "auto", "log-prob forwards run each row whole (its prompt too: no shared KV cache) in one decoder call, "
+        "with no mask where no row is left-padded (flash attention on CUDA); auto: on with CUDA where the memory "
+        "plan fits a whole group so", nargs="?", const="on")
 
     def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
         loss_agg, max_grad_norm = OFFICIAL_PER_ALGO.get(self.algo, (None, 0.0))
@@ -504,11 +507,11 @@ def reference_logprobs(cfg, model, ref_model, roll, sizes, device):
     old_logprobs, entropy_sum = torch.zeros_like(mask), torch.zeros((), device=device)
     with torch.no_grad(), autocast_context(cfg, device):
         for sl in micro_slices(slice(skip, B), sizes.micro_batch_size):
-            old_logprobs[sl], ent = step_logprobs(cfg, model, roll, sl, with_entropy=True)
+            old_logprobs[sl], ent = step_logprobs(cfg, model, roll, sl, sizes, with_entropy=True)
             entropy_sum += (ent * mask[sl]).sum()
         if ref_model is None:
             return old_logprobs, entropy_sum
-        return torch.cat([step_logprobs(cfg, ref_model, roll, sl)[0]
+        return torch.cat([step_logprobs(cfg, ref_model, roll, sl, sizes)[0]
                           for sl in micro_slices(slice(0, B), sizes.micro_batch_size)]), entropy_sum
 
 
@@ -518,7 +521,8 @@ def accumulate_mini_batch(cfg, model, roll, reference, mask, rewards, mini, firs
     default cfg's). reference (B, T): what r_hat is scored against; first: pi_theta == pi_old, so this forward's own
     detached log-probs are the reference (reference[mini] is not read) and give the entropy. lp_rows: phase 3's rows
     per forward (default: the micro-batch's); advantages (B, T): PPO's. Returns (loss, psi or None, entropy sum)."""
-    G, mb, autocast = cfg.group_size, (sizes or Sizes.typed(cfg)).micro_batch_size, autocast_context(cfg, device)
+    G, sizes, autocast = cfg.group_size, sizes or Sizes.typed(cfg), autocast_context(cfg, device)
+    mb = sizes.micro_batch_size
     lp_rows = lp_rows or mb
     # The loss couples a group's rows (psi centres r_hat in the group). A micro-batch of whole groups on phase 3's
     # route backpropagates its own loss. One that splits a group (or an OOM retry made smaller than phase 3's) needs
@@ -527,7 +531,7 @@ def accumulate_mini_batch(cfg, model, roll, reference, mask, rewards, mini, firs
     total, psis, entropy = 0.0, [], torch.zeros((), device=device)
     for unit in micro_slices(mini, mb if direct else max(G, lp_rows)):
         with torch.set_grad_enabled(direct), autocast:
-            parts = [step_logprobs(cfg, model, roll, sl, with_entropy=first) for sl in micro_slices(unit, lp_rows)]
+            parts = [step_logprobs(cfg, model, roll, sl, sizes, first) for sl in micro_slices(unit, lp_rows)]
         lp = torch.cat([p[0] for p in parts]) if direct else torch.cat([p[0] for p in parts]).requires_grad_()
         old = lp.detach() if first else reference[unit]  # at pi_old: psi == 0 bit for bit, and no extra pass
         if first:
@@ -540,7 +544,7 @@ def accumulate_mini_batch(cfg, model, roll, reference, mask, rewards, mini, firs
             (dlogprobs,) = torch.autograd.grad(loss, lp)  # (rows, T)
             for sl in micro_slices(unit, mb):
                 with autocast:
-                    lp_grad, _ = step_logprobs(cfg, model, roll, sl)
+                    lp_grad, _ = step_logprobs(cfg, model, roll, sl, sizes)
                 lp_grad.backward(dlogprobs[sl.start - unit.start:sl.stop - unit.start])
         total = total + loss.detach()
         if cfg.algo == "pacs":
@@ -790,7 +794,7 @@ def value_model_targets(cfg, critic, roll, rewards, sizes, device, step):
 def rollout_values(cfg, critic, roll, sizes, device):
     """The value model's V(s_t) (B, T) on every row of the rollout, no grad, sizes.micro_batch_size rows a forward."""
     with torch.no_grad(), autocast_context(cfg, device):
-        return torch.cat([step_values(cfg, critic, roll, sl)
+        return torch.cat([step_values(cfg, critic, roll, sl, sizes)
                           for sl in micro_slices(slice(0, roll["response_mask"].shape[0]), sizes.micro_batch_size)])
 
 
@@ -813,7 +817,7 @@ def accumulate_critic(cfg, critic, roll, old_values, returns, mask, mini, device
     total, clipped, c = 0.0, torch.zeros((), device=device), cfg.value_clip
     for sl in micro_slices(mini, (sizes or Sizes.typed(cfg)).micro_batch_size):
         with autocast_context(cfg, device):
-            values = step_values(cfg, critic, roll, sl)  # (b, T) V(s_t), 0 past each response
+            values = step_values(cfg, critic, roll, sl, sizes)  # (b, T) V(s_t), 0 past each response
         loss = (value_loss(values, old_values[sl], returns[sl], mask[sl], c, cfg.loss_agg, cfg.max_new_tokens)
                 * loss_share(cfg, mask, sl, mini))
         loss.backward()
@@ -835,14 +839,16 @@ def valid_micro_batch_sizes(cfg):
 class Sizes:
     """The batch sizes a run works at, kept apart from cfg (which stays what the user typed): --micro-batch-size and
     --gen-batch-prompts as typed, the memory plan's where they are 0, then as out-of-memory retries halved them.
-    Logged with every step's metrics, saved in each checkpoint's trainer_state.pt, restored by --resume."""
+    Logged with every step's metrics, saved in each checkpoint's trainer_state.pt, restored by --resume. full_rows:
+    the log-prob forwards' route (--full-rows as typed, or the plan's choice under auto), kept with the sizes."""
     micro_batch_size: int
     gen_batch_prompts: int
+    full_rows: bool = False
 
     @classmethod
     def typed(cls, cfg):
         """The sizes as cfg gives them, unplanned (gen_batch_prompts 0: all prompts in one generate call)."""
-        return cls(cfg.micro_batch_size, cfg.gen_batch_prompts)
+        return cls(cfg.micro_batch_size, cfg.gen_batch_prompts, cfg.full_rows == "on")
 
 
 def resumed_sizes(cfg, planned, state):
@@ -1487,15 +1493,16 @@ def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask
     return _scatter_response(values, keep, response_ids.shape[1])
 
 
-def step_logprobs(cfg, model, roll, rows, with_entropy=False):
+def step_logprobs(cfg, model, roll, rows, sizes=None, with_entropy=False):
     """response_logprobs of the rollout's rows on the step's route: each group's prompt run once (rows of a
-    slice smaller than a group share one prompt), unless --gradient-checkpointing or --full-rows; on CUDA under the
-    pinned attention kernels (pin_attention), and checked finite (check_finite)."""
+    slice smaller than a group share one prompt), unless --gradient-checkpointing or full rows (the run's sizes: the
+    plan's choice under --full-rows auto); on CUDA under the pinned attention kernels (pin_attention), and checked
+    finite (check_finite)."""
+    full = (sizes or Sizes.typed(cfg)).full_rows
     with pin_attention(roll["prompt_ids"].device.type):
         lp, ent = response_logprobs(model, *rollout_rows(roll, rows), cfg.temperature, with_entropy=with_entropy,
                                     group_size=min(cfg.group_size, rows.stop - rows.start),
-                                    shared_prompt=not (cfg.gradient_checkpointing or cfg.full_rows),
-                                    mask_right_padding=not cfg.full_rows)
+                                    shared_prompt=not (cfg.gradient_checkpointing or full), mask_right_padding=not full)
     check_finite(lp, f"log-probs of rows {rows.start}..{rows.stop - 1}", roll["prompt_mask"][rows])
     return lp, ent
 
@@ -1527,11 +1534,16 @@ def check_finite(values, what, prompt_mask):
                           "left-padded prompt (NaN from the attention kernel on rows of padding? see docs/gpu.md)")
 
 
-def step_values(cfg, critic, roll, rows):
+def step_values(cfg, critic, roll, rows, sizes=None):
     """response_values of the rollout's rows, on the route step_logprobs takes."""
+    full = (sizes or Sizes.typed(cfg)).full_rows
     return response_values(critic, *rollout_rows(roll, rows), group_size=min(cfg.group_size, rows.stop - rows.start),
-                           shared_prompt=not (cfg.gradient_checkpointing or cfg.full_rows),
-                           mask_right_padding=not cfg.full_rows)
+                           shared_prompt=not (cfg.gradient_checkpointing or full), mask_right_padding=not full)
+
+
+def pack_groups(cfg, device_type):
+    """Whether the memory plan may put several whole groups in a micro-batch (--pack-groups; auto: on CUDA)."""
+    return cfg.pack_groups == "on" or (cfg.pack_groups == "auto" and device_type == "cuda")
 
 
 # ---- memory plan: what one step holds at its peak, predicted before the first step ------------------------
@@ -1600,8 +1612,10 @@ def critic_parameters(c, n_params):
     return n_params - (0 if tied else c.vocab_size * c.hidden_size) + c.hidden_size + 1
 
 
-def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_prompts):
-    """Predicted bytes of each part of a step's peak, for model config c with n_params parameters."""
+def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_prompts, full_rows=None):
+    """Predicted bytes of each part of a step's peak, for model config c with n_params parameters; full_rows: the
+    log-prob forwards' route (default: --full-rows on)."""
+    full_rows = cfg.full_rows == "on" if full_rows is None else full_rows
     a = 2 if autocast_dtype(cfg, device_type) else 4  # bytes of an activation: bf16 under autocast, else fp32
     a_roll = 2 if rollout_torch_dtype(cfg, device_type) == torch.bfloat16 else 4
     G, Lp, T, V, H = cfg.group_size, cfg.max_prompt_tokens, cfg.max_new_tokens, c.vocab_size, c.hidden_size
@@ -1616,7 +1630,7 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
     if ckpt:  # prompts run per row (see response_logprobs)
         activations = mb * (Lp + T) * _activation_bytes_per_token(c, a, True)
         masks = _attention_mask_bytes(c, a, mb, Lp + T, Lp + T, True)
-    elif cfg.full_rows:  # each row whole, no KV cache; the mask where a row is left-padded
+    elif full_rows:  # each row whole, no KV cache; the mask where a row is left-padded
         activations = mb * (Lp + T) * _activation_bytes_per_token(c, a)
         masks = _attention_mask_bytes(c, a, mb, Lp + T, Lp + T)
     else:
@@ -1648,7 +1662,7 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         "logits chunk": chunk_logits + V * H * (12 + (4 if a == 2 else 0)),
         # the training forward's shared-prompt KV cache (kv_cache_itemsizes' dtypes), freed before backward: it adds
         # to the end of the forward (the last chunk's logits alive), not to the LM head's backward
-        "KV cache of the shared prompt": 0 if ckpt or cfg.full_rows else mb * (Lp + T) * kv_per_token // 2 * sum(
+        "KV cache of the shared prompt": 0 if ckpt or full_rows else mb * (Lp + T) * kv_per_token // 2 * sum(
             kv_cache_itemsizes(type(c), autocast_dtype(cfg, device_type))),
     }
     # the end of the forward: that cache, the last chunk's logits and (autocast) the LM head's bf16 copy
@@ -1714,16 +1728,22 @@ def plan_memory(cfg, model_config, n_params, device_type):
     and print the plan. cfg is left as typed."""
     total = device_memory(device_type, cfg.memory_gib)
     budget = plan_budget(device_type, total)
-    plan = lambda mb, gb: memory_plan(cfg, model_config, n_params, device_type, mb, gb)
     P, G = cfg.prompts_per_step, cfg.group_size
     sizes = Sizes.typed(cfg)
+    plan = lambda mb, gb, full=None: memory_plan(cfg, model_config, n_params, device_type, mb, gb,
+                                                 sizes.full_rows if full is None else full)
+    # --full-rows auto: full rows on CUDA for micro-batches of whole groups where they fit (faster on an H200)
+    auto_full = lambda mb: (cfg.full_rows == "auto" and device_type == "cuda" and mb % G == 0
+                            and plan(mb, 1, True)["peak: update"] <= budget)
     if sizes.gen_batch_prompts == 0:
         fits = [d for d in range(1, P + 1) if P % d == 0 and plan(1, d)["peak: generate"] <= budget]
         sizes.gen_batch_prompts = fits[-1] if fits else 1
     if sizes.micro_batch_size == 0:  # whole groups when they fit (fastest), else a group split in rows
-        most = rows_per_mini_batch(cfg) if cfg.pack_groups else G  # --pack-groups: several groups per micro-batch
-        fits = [s for s in valid_micro_batch_sizes(cfg) if s <= most and plan(s, 1)["peak: update"] <= budget]
+        most = rows_per_mini_batch(cfg) if pack_groups(cfg, device_type) else G  # several groups per micro-batch
+        fits = [s for s in valid_micro_batch_sizes(cfg) if s <= most and (plan(s, 1)["peak: update"] <= budget
+                                                                           or auto_full(s))]
         sizes.micro_batch_size = fits[-1] if fits else 1
+    sizes.full_rows = sizes.full_rows or auto_full(sizes.micro_batch_size)
     parts = plan(sizes.micro_batch_size, sizes.gen_batch_prompts)
     print(format_plan(cfg, sizes, parts, device_type, total), file=sys.stderr)
     context = " less the CUDA context" if device_type == "cuda" else ""
@@ -1766,7 +1786,7 @@ def format_plan(cfg, sizes, parts, device_type, total):
         f"  generate  {sizes.gen_batch_prompts} prompts x {G} per call: "
         f"KV cache {gib('KV cache of one generate call')}"
         f" | logits {gib('generate: sampling logits')} | prefill {gib('generate: prefill')}",
-        f"  update    {mb} rows per micro-batch: activations {gib('activations of a micro-batch')} | "
+        f"  update    {mb} rows per micro-batch{' (full rows)' if sizes.full_rows else ''}: activations {gib('activations of a micro-batch')} | "
         f"attention masks {gib('attention masks (SDPA)')} | gradients {gib('gradients (fp32)')} | "
         f"bf16 casts {gib('bf16 weight casts')} | logits chunk {gib('logits chunk')} | "
         f"prompt KV cache {gib('KV cache of the shared prompt')}",

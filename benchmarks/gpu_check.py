@@ -274,8 +274,8 @@ def summary_rows(out):
             rows.append(("allocator", f"{p.get('alloc_conf')}; expandable segments in effect: "
                                       f"{p['expandable_segments']}; plan reads {_num(p.get('plan_memory_gib'), '.1f')}"
                                       f" of {_num(p.get('total_gib'), '.1f')} GiB"))
-    for name, what in (("psi_levers", "psi_std at --lr 0, the levers on"),
-                       ("psi_ckpt", "psi_std at --lr 0, the levers on, --gradient-checkpointing")):
+    for name, what in (("psi_levers", "psi_std at --lr 0, every lever on"),
+                       ("psi_ckpt", "psi_std at --lr 0, every lever on, --gradient-checkpointing")):
         r = load(name)
         if r is None:
             rows.append((what, "FAIL: " + missing[name]))
@@ -286,8 +286,9 @@ def summary_rows(out):
             rows.append((what, f"{ok}: psi_std {r.get('psi_std_max')} (prompts {r.get('varied_prompts')}.."
                                f"{r.get('prompt_tokens')} tokens, micro-batch {r.get('micro_batch_size')} rows)"))
     steps = {}
-    for name, what in (("step_default", "default step, today's defaults"), ("step_levers", "default step, levers on"),
-                       ("step_22g", "--memory-gib 22.5, levers on")):
+    for name, what in (("step_default", "default step, the defaults"),
+                       ("step_shared", "default step, one group per micro-batch, shared prompt"),
+                       ("step_22g", "--memory-gib 22.5, the defaults")):
         r = steps[name] = load(name)
         if r is None:
             rows.append((what, "FAIL: " + missing[name]))
@@ -307,13 +308,12 @@ def summary_rows(out):
                        f"x{r['generate_over_plan']:.3f}), update {r['update_peak_gib']:.2f} GiB (plan "
                        f"{r['plan_update_gib']:.2f}, x{r['update_over_plan']:.3f}); micro-batch "
                        f"{r['micro_batch_size']} rows, {r['gen_batch_prompts']} prompts per generate call"))
-    base, levers = steps.get("step_default"), steps.get("step_levers")
+    levers, base = steps.get("step_default"), steps.get("step_shared")
     if base and levers and "error" not in base and "error" not in levers:
         ratio = lambda k: f"x{base[k] / levers[k]:.2f}" if levers[k] else "-"
-        rows.append(("levers: speed-up (same card, same call)",
-                     f"step {ratio('step_s')} | generate {ratio('generate_s')} | verify {ratio('verify_s')} "
-                     f"(--verify-workers 0) | old log-probs {ratio('old_logprobs_s')} and updates "
-                     f"{ratio('update_s')} (--pack-groups --full-rows)"))
+        rows.append(("--pack-groups, --full-rows: speed-up (same card, same call)",
+                     f"step {ratio('step_s')} | generate {ratio('generate_s')} | verify {ratio('verify_s')} | old "
+                     f"log-probs {ratio('old_logprobs_s')} | updates {ratio('update_s')}"))
     forms = load("forms")
     if forms and "error" not in forms:  # one mini-batch in each form: each lever's own ratio on the update
         f = forms.get("forms", {})

@@ -9,18 +9,18 @@
 # (a random-init stand-in of the exact shape is built from them) and MATH text for the prompts. Each step runs under
 # its own `timeout` and writes its JSON into OUT; a step that fails or times out is recorded and the next one runs.
 #   probe          versions, the card, SDPA's kernels on rows of padding, the allocator's settings
-#   step_default   today's defaults at the default shape: time split, tokens/s, generate and update peaks vs the plan
-#   step_levers    the same with the speed levers on (--verify-workers 0 --pack-groups --full-rows)
-#   psi_levers     psi at --lr 0 with those levers on, prompts of varied length (left padding): psi_std exactly 0
+#   step_default   the defaults at the default shape: time split, tokens/s, generate and update peaks vs the plan
+#   step_shared    the same with one group per micro-batch and the shared prompt (--pack-groups off --full-rows off)
+#   psi_levers     psi at --lr 0 with every lever on, prompts of varied length (left padding): psi_std exactly 0
 #   forms          one mini-batch's update in each form (benchmarks/update_forms.py): each lever's own ratio
-#   psi_ckpt       psi at --lr 0 with those levers on, --gradient-checkpointing
+#   psi_ckpt       psi at --lr 0 with every lever on, --gradient-checkpointing
 #   e2e_train, e2e_resume, e2e_eval   the README's commands end to end: 2 steps with a held-out eval and a
 #                  checkpoint each, a resumed step, eval.py on the checkpoint (each under its own time limit)
-#   step_22g       the levers on at --memory-gib 22.5 under a real allocator cap (a 24 GB card's limit)
+#   step_22g       the defaults at --memory-gib 22.5 under a real allocator cap (a 24 GB card's limit)
 #   profile        torch.profiler over a smaller default step's verify, old log-probs and updates
-# --verify-workers acts on verify, --pack-groups and --full-rows on old log-probs and updates: step_default against
-# step_levers gives their ratios phase by phase, and forms each update lever's own, on one card in one call
-# (--static-cache, slower at 1,024 rows on an H200, is measured by update_forms.py's decode profiles instead). Then OUT/summary.md (a table with a verdict per
+# --pack-groups and --full-rows (on by default with CUDA) act on the old log-probs and the updates: step_shared
+# against step_default gives their ratio phase by phase, and forms each one's own, on one card in one call. The
+# opt-in levers, slower on an H200 (docs/gpu.md), run only in the psi checks: --verify-workers 0, --static-cache. Then OUT/summary.md (a table with a verdict per
 # check: a missing or nonzero psi, a peak over its plan or a failed command reads FAIL) and OUT/results.json (every
 # step's JSON in one file: a GPU loan brings back at most 8 files).
 set -u
@@ -80,7 +80,8 @@ step() {
 STANDIN=$SCRATCH/standin
 STEP=(benchmarks/gpu_step.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE"
       --warmup-steps 0 --timed-steps 1)
-LEVERS=(--verify-workers 0 --pack-groups --full-rows)
+OPT_IN=(--verify-workers 0 --static-cache)  # with the defaults: every lever on
+SHARED=(--pack-groups off --full-rows off)
 E2E=$SCRATCH/e2e
 if [ "$DEVICE" = cuda ]; then
     TINY=()
@@ -111,18 +112,18 @@ cd "$ROOT" || exit 2
 step probe 60 "$PY" benchmarks/gpu_check.py probe "$OUT/probe.json" --device "$DEVICE"
 step build 90 "$PY" benchmarks/gpu_check.py build "$STANDIN" --model-dir "$GPU_DIR/model" "${TINY[@]}"
 step step_default 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --json "$OUT/step_default.json"
-step step_levers 150 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${LEVERS[@]}" --json "$OUT/step_levers.json"
-step psi_levers 100 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --json "$OUT/psi_levers.json"
+step step_shared 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${SHARED[@]}" --json "$OUT/step_shared.json"
+step psi_levers 100 "$PY" "${STEP[@]}" "${PSI[@]}" "${OPT_IN[@]}" --json "$OUT/psi_levers.json"
 step forms 90 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
     "${FORMS[@]}" --decode-tokens 0 --json "$OUT/forms.json"
-step psi_ckpt 90 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --gradient-checkpointing --json "$OUT/psi_ckpt.json"
+step psi_ckpt 90 "$PY" "${STEP[@]}" "${PSI[@]}" "${OPT_IN[@]}" --gradient-checkpointing --json "$OUT/psi_ckpt.json"
 step e2e_train 110 "$PY" "${README_TRAIN[@]}" --steps 2
 step e2e_resume 80 "$PY" "${README_TRAIN[@]}" --steps 3 --resume
 cp "$E2E/run/metrics.jsonl" "$OUT/e2e_metrics.jsonl" 2>/dev/null
 step e2e_eval 60 "$PY" eval.py --model "$(ls -d "$E2E"/run/checkpoint-* | tail -1)" --datasets math500 --data-dir "$GPU_DIR/data" \
     --device "$DEVICE" "${EVAL[@]}" --out "$E2E/eval"
 cp "$E2E/eval/metrics.json" "$OUT/e2e_eval.json" 2>/dev/null
-step step_22g 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" "${LEVERS[@]}" --json "$OUT/step_22g.json"
+step step_22g 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --json "$OUT/step_22g.json"
 step profile 70 "$PY" "${STEP[@]}" "${PROFILE[@]}" --profile "$OUT/profile.json" --json "$OUT/step_profiled.json"
 echo "== total ${SECONDS} s" | tee -a "$LOG"
 "$PY" benchmarks/gpu_check.py summary "$OUT"

@@ -237,7 +237,7 @@ def main():
         kind, micro = form.rsplit("-", 1)
         micro = int(micro)
         part = {"body": "body", "head": "head"}.get(kind, "all")
-        route = pacs.Config(**{**vars(cfg), "full_rows": kind.endswith("full")})  # --full-rows: each row whole
+        route = pacs.Config(**{**vars(cfg), "full_rows": "on" if kind.endswith("full") else "off"})
         entry = {}
         try:
             if kind.startswith("compiled"):

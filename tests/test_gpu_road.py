@@ -371,32 +371,33 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     log = (out / "check.log").read_text() if (out / "check.log").exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
     files = sorted(os.listdir(out))
-    assert files == ["check.log", "e2e_eval.json", "e2e_metrics.jsonl", "probe.json", "profile.json", "psi_ckpt.json",
-                     "psi_levers.json", "results.json", "step_22g.json", "step_default.json", "step_levers.json",
-                     "step_profiled.json", "summary.md"]  # the run command brings back results.json and the text
-    for name in ("probe", "build", "step_default", "step_levers", "psi_levers", "e2e_train", "e2e_resume", "e2e_eval",
-                 "profile", "psi_ckpt", "step_22g"):
+    assert files == ["check.log", "e2e_eval.json", "e2e_metrics.jsonl", "forms.json", "probe.json", "profile.json",
+                     "psi_ckpt.json", "psi_levers.json", "results.json", "step_22g.json", "step_default.json",
+                     "step_profiled.json", "step_shared.json", "summary.md"]  # the run command brings back results.json and the text
+    for name in ("probe", "build", "step_default", "step_shared", "psi_levers", "forms", "e2e_train", "e2e_resume",
+                 "e2e_eval", "profile", "psi_ckpt", "step_22g"):
         assert f"== {name}: exit 0" in log, name
     load = lambda name: json.loads((out / f"{name}.json").read_text())
     assert load("probe")["missing_apis"] == [] and load("probe")["sdpa"]["MATH"]["padding_rows_finite"]
     for name in ("psi_levers", "psi_ckpt"):
         r = load(name)
         assert r["psi_std_max"] == 0.0 and r["lr"] == 0.0 and r["varied_prompts"] == 60, name
-        assert r["levers"] == {"verify_workers": 0, "pack_groups": True, "static_cache": True}, name
+        assert r["levers"] == {"verify_workers": 0, "pack_groups": "auto", "full_rows": "auto", "static_cache": True}, name
     assert load("psi_ckpt")["gradient_checkpointing"] and not load("psi_levers")["gradient_checkpointing"]
-    for name in ("step_default", "step_levers", "step_22g"):
+    for name in ("step_default", "step_shared", "step_22g"):
         r = load(name)
         for key in ("generate_s", "old_logprobs_s", "update_s", "generated_tokens_per_s", "generate_peak_gib",
                     "update_peak_gib", "plan_generate_gib", "plan_update_gib", "decode_ms_per_token"):
             assert r[key] > 0, (name, key)
         assert r["steps"][0]["generate_peak_bytes"] > 0 and r["steps"][0]["update_peak_bytes"] > 0
-    assert load("step_levers")["compile_s"] > 0 and "compile_s" not in load("step_default")
+    assert load("psi_levers")["compile_s"] > 0 and "compile_s" not in load("step_default")
+    assert load("step_shared")["levers"]["pack_groups"] == "off" and load("forms")["forms"]["full-4"]["fwd_bwd_s"] > 0
     assert load("step_22g")["memory_gib"] == 22.5 and load("step_22g")["allocator_cap_gib"] is None  # CPU: no cap
     assert load("profile")["kernels"] and set(load("profile")["phases"]) == {"time_update", "time_old_logprobs",
                                                                             "time_verify"}
     rows = [json.loads(line) for line in (out / "e2e_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["time_save"] > 0 and "eval_acc" in rows[2]
-    assert set(load("results")) >= {"status", "probe", "step_default", "step_levers", "psi_levers", "e2e_eval"}
+    assert set(load("results")) >= {"status", "probe", "step_default", "step_shared", "psi_levers", "forms", "e2e_eval"}
     summary = (out / "summary.md").read_text()
     assert summary == proc.stdout[proc.stdout.index("| check"):]
     assert summary.count("| pass: psi_std 0.0") == 2 and summary.count("| pass: exit 0") == 3

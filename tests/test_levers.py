@@ -19,6 +19,9 @@ import pacs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+QWEN = os.path.join(ROOT, "..", "shared", "models", "qwen2.5-0.5b-instruct")
+needs_qwen = pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN, "config.json")),
+                                reason="needs ../shared/models/qwen2.5-0.5b-instruct (Qwen2.5-0.5B's config)")
 
 
 # ---- --static-cache ---------------------------------------------------------------------------------------------
@@ -144,13 +147,13 @@ def test_pack_groups_lets_the_plan_put_several_groups_in_a_micro_batch(capsys):
                     num_attention_heads=4, num_key_value_heads=2)
     cfg = dict(prompts_per_step=16, group_size=4, num_mini_batches=2, max_prompt_tokens=32, max_new_tokens=32,
                memory_gib=8)
-    one, _ = pacs.plan_memory(pacs.Config(**cfg), c, 100_000, "cuda")
-    packed, _ = pacs.plan_memory(pacs.Config(**cfg, pack_groups=True), c, 100_000, "cuda")
+    one, _ = pacs.plan_memory(pacs.Config(**cfg, pack_groups="off"), c, 100_000, "cuda")
+    packed, _ = pacs.plan_memory(pacs.Config(**cfg), c, 100_000, "cuda")  # auto: on with CUDA
     assert one.micro_batch_size == 4 and packed.micro_batch_size == 32  # a whole mini-batch: 8 prompts x 4
     peak = lambda rows: pacs.memory_plan(pacs.Config(**cfg), c, 100_000, "cuda", rows, 1)["peak: update"]
     budget = (peak(16) + peak(32)) / 2  # 16 rows fit, 32 do not
     gib = (budget / 0.9 + pacs.CUDA_CONTEXT) / pacs.GiB
-    tight, _ = pacs.plan_memory(pacs.Config(**{**cfg, "memory_gib": gib}, pack_groups=True), c, 100_000, "cuda")
+    tight, _ = pacs.plan_memory(pacs.Config(**{**cfg, "memory_gib": gib}, pack_groups="on"), c, 100_000, "cuda")
     assert tight.micro_batch_size == 16  # as many groups as the budget fits
 
 
@@ -175,7 +178,7 @@ def test_full_rows_give_the_shared_prompts_log_probs_and_gradient(tiny_model_dir
     assert (roll["prompt_mask"][rows] == 0).any() == (rows.start == 0)  # the first prompt is the shorter one
     mask = roll["response_mask"][rows].float()
     results = []
-    for full_rows in (False, True):
+    for full_rows in ("off", "on"):
         cfg = pacs.Config(group_size=4, temperature=0.8, full_rows=full_rows)
         model.zero_grad()
         lp, _ = pacs.step_logprobs(cfg, model, roll, rows)
@@ -197,7 +200,7 @@ def test_full_rows_drop_the_mask_only_where_no_row_is_left_padded(tiny_model_dir
         seen.append(attention_mask)
         return forward(self, *a, attention_mask=attention_mask, **k)
     monkeypatch.setattr(type(model.base_model), "forward", spy)
-    cfg = pacs.Config(group_size=4, full_rows=True)
+    cfg = pacs.Config(group_size=4, full_rows="on")
     with torch.no_grad():
         pacs.step_logprobs(cfg, model, roll, slice(4, 8))
         pacs.step_logprobs(cfg, model, roll, slice(0, 8))
@@ -212,11 +215,33 @@ def test_full_rows_are_priced_by_the_plan():
     c = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)
     cfg = dict(prompts_per_step=16, group_size=4, num_mini_batches=2, max_prompt_tokens=48, max_new_tokens=32)
-    shared, full = (pacs.memory_plan(pacs.Config(**cfg, full_rows=f), c, 100_000, "cuda", 8, 1) for f in (0, 1))
+    shared, full = (pacs.memory_plan(pacs.Config(**cfg, full_rows=f), c, 100_000, "cuda", 8, 1) for f in ("off", "on"))
     per_token = pacs._activation_bytes_per_token(c, 2)
     assert full["activations of a micro-batch"] == 8 * (48 + 32) * per_token
     assert full["KV cache of the shared prompt"] == 0 and shared["KV cache of the shared prompt"] > 0
     assert full["attention masks (SDPA)"] == pacs._attention_mask_bytes(c, 2, 8, 80, 80)
+
+
+@needs_qwen
+def test_full_rows_auto_takes_full_rows_on_cuda_where_a_whole_group_fits_them():
+    """--full-rows auto (the default): full rows on CUDA at the plan's micro-batch where they fit it, the shared
+    prompt where only that fits (PPO on a 40 GB card) or below a group (a 24 GB card), never on the CPU; the route is
+    kept with the sizes, and a checkpoint from before it resumes at the plan's."""
+    c = pacs.load_model_config(QWEN)
+    n = pacs.count_parameters(c)
+    chosen = {}
+    for name, over in {"40": dict(memory_gib=39.5), "40 ppo": dict(memory_gib=39.5, algo="ppo"),
+                       "24": dict(memory_gib=22.5), "cpu": dict(memory_gib=22.5)}.items():
+        sizes, _ = pacs.plan_memory(pacs.Config(**over), c, n, "cpu" if name == "cpu" else "cuda")
+        chosen[name] = (sizes.micro_batch_size, sizes.full_rows)
+    assert chosen == {"40": (8, True), "40 ppo": (8, False), "24": (2, False), "cpu": (2, False)}
+    cfg = pacs.Config(memory_gib=39.5)
+    planned = pacs.Sizes(8, 128, True)
+    assert pacs.resumed_sizes(cfg, planned, {"sizes": {"micro_batch_size": 8, "gen_batch_prompts": 128},
+                                             "config": {"micro_batch_size": 0, "gen_batch_prompts": 0}}) == planned
+    saved = {"sizes": {"micro_batch_size": 4, "gen_batch_prompts": 64, "full_rows": False},
+             "config": {"micro_batch_size": 0, "gen_batch_prompts": 0, "full_rows": "auto"}}
+    assert pacs.resumed_sizes(cfg, planned, saved) == pacs.Sizes(4, 64, False)  # as the checkpoint left them
 
 
 # ---- time outside the step ---------------------------------------------------------------------------------------
@@ -273,13 +298,13 @@ def test_the_checks_summary_reads_fail_for_a_missing_or_nonzero_psi_and_a_peak_o
     write(tmp_path / "psi_levers.json", {"varied_prompts": 128, "prompt_tokens": 512})  # psi missing
     write(tmp_path / "psi_ckpt.json", {"psi_std_max": 1e-4})  # psi nonzero
     write(tmp_path / "step_default.json", step_json(update_over_plan=1.02, update_peak_gib=2.04))  # over the plan
-    write(tmp_path / "step_levers.json", step_json())
+    write(tmp_path / "step_shared.json", step_json())
     rows = dict(gpu_check.summary_rows(str(tmp_path)))
-    assert rows["psi_std at --lr 0, the levers on"].startswith("FAIL")
-    assert rows["psi_std at --lr 0, the levers on, --gradient-checkpointing"].startswith("FAIL")
-    assert rows["default step, today's defaults: peaks"].startswith("FAIL: over the plan")
-    assert rows["default step, levers on: peaks"].startswith("within the plan")
-    assert rows["--memory-gib 22.5, levers on"].startswith("FAIL: no result")  # no JSON at all
+    assert rows["psi_std at --lr 0, every lever on"].startswith("FAIL")
+    assert rows["psi_std at --lr 0, every lever on, --gradient-checkpointing"].startswith("FAIL")
+    assert rows["default step, the defaults: peaks"].startswith("FAIL: over the plan")
+    assert rows["default step, one group per micro-batch, shared prompt: peaks"].startswith("within the plan")
+    assert rows["--memory-gib 22.5, the defaults"].startswith("FAIL: no result")  # no JSON at all
     assert rows["README end to end: train"].startswith("FAIL")  # did not run
     write(tmp_path / "psi_levers.json", {"psi_std_max": 0.0})
-    assert dict(gpu_check.summary_rows(str(tmp_path)))["psi_std at --lr 0, the levers on"].startswith("pass")
+    assert dict(gpu_check.summary_rows(str(tmp_path)))["psi_std at --lr 0, every lever on"].startswith("pass")

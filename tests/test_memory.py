@@ -190,7 +190,8 @@ def test_the_plan_fits_the_default_run_on_a_24_gb_card_and_picks_more_on_bigger_
         assert parts["peak"] <= 0.9 * (gib - 0.5) * pacs.GiB  # 0.5 GiB of CUDA context, then 10% headroom
         chosen[gib] = (sizes.micro_batch_size, sizes.gen_batch_prompts)
         assert (cfg.micro_batch_size, cfg.gen_batch_prompts) == (0, 0)  # cfg stays what was typed
-    assert chosen[22.5] == (2, 64) and chosen[80] == (8, 128)
+    # an 80 GB card packs 2 groups of full rows a micro-batch (--pack-groups, --full-rows: auto, on with CUDA)
+    assert chosen[22.5] == (2, 64) and chosen[80] == (16, 128)
     # the fp32 training state alone: 16 bytes per parameter
     assert parts["weights (fp32)"] + parts["AdamW moments (fp32)"] + parts["gradients (fp32)"] == 16 * n
 
