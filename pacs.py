@@ -136,18 +136,13 @@ class Config:
     plan_only: bool = flag(False, "print the memory plan (needs only the model's config.json) and exit")
     save_minutes: float = flag(15.0, "also checkpoint when this many minutes passed since the last one "
                                "(0 = off)")
-    # speed levers (docs/gpu.md: each exact, each measured by the prepared GPU check)
-    verify_workers: int = flag(1, "processes that verify a step's answers, for 64 answers or more (1: "
-                               "this process; 0: one per core, at most 16)")
-    pack_groups: Literal["auto", "on", "off"] = flag(
-        "auto", "memory plan: micro-batches of several whole groups (up to a mini-batch) where they fit; off: at "
-        "most one group; auto: on with CUDA", nargs="?", const="on")
-    static_cache: bool = flag(False, "generate into a KV cache of fixed size (prompt + response limits), "
-                              "whose decode step transformers compiles on CUDA (CUDA graphs)")
-    full_rows: Literal["auto", "on", "off"] = flag(
-        "auto", "log-prob forwards run each row whole (its prompt too: no shared KV cache) in one decoder call, "
-        "with no mask where no row is left-padded (flash attention on CUDA); auto: on with CUDA where the memory "
-        "plan fits a whole group so", nargs="?", const="on")
+    # speed levers (docs/gpu.md: each exact, each measured by the prepared GPU check; auto: on with CUDA)
+    verify_workers: int = flag(1, "processes verifying a step's answers, if 64 or more (0: a core each, <= 16)")
+    pack_groups: Literal["auto", "on", "off"] = flag("auto", "micro-batches of several whole groups where the "
+                                                     "memory plan fits them", nargs="?", const="on")
+    full_rows: Literal["auto", "on", "off"] = flag("auto", "log-prob forwards of each row whole, prompt included "
+                                                   "(auto: where the plan fits whole groups)", nargs="?", const="on")
+    static_cache: bool = flag(False, "generate into a fixed-size KV cache, its decode step compiled on CUDA")
 
     def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
         loss_agg, max_grad_norm = OFFICIAL_PER_ALGO.get(self.algo, (None, 0.0))
@@ -521,8 +516,7 @@ def accumulate_mini_batch(cfg, model, roll, reference, mask, rewards, mini, firs
     default cfg's). reference (B, T): what r_hat is scored against; first: pi_theta == pi_old, so this forward's own
     detached log-probs are the reference (reference[mini] is not read) and give the entropy. lp_rows: phase 3's rows
     per forward (default: the micro-batch's); advantages (B, T): PPO's. Returns (loss, psi or None, entropy sum)."""
-    G, sizes, autocast = cfg.group_size, sizes or Sizes.typed(cfg), autocast_context(cfg, device)
-    mb = sizes.micro_batch_size
+    G, mb, autocast = cfg.group_size, (sizes or Sizes.typed(cfg)).micro_batch_size, autocast_context(cfg, device)
     lp_rows = lp_rows or mb
     # The loss couples a group's rows (psi centres r_hat in the group). A micro-batch of whole groups on phase 3's
     # route backpropagates its own loss. One that splits a group (or an OOM retry made smaller than phase 3's) needs
@@ -1455,7 +1449,8 @@ def _scatter_response(values, keep, width):
 
 
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0,
-                      with_entropy=False, group_size=1, chunk=LOGITS_CHUNK, shared_prompt=True, mask_right_padding=True):
+                      with_entropy=False, group_size=1, chunk=LOGITS_CHUNK, shared_prompt=True,
+                      mask_right_padding=True):
     """Per-token log pi(response | prompt) (b, T) from temperature-scaled logits, and optionally the entropy (b, T);
     0 where response_mask is 0. The LM head and fp32 log-softmax run over `chunk` tokens at a time, recomputed in
     backward: a micro-batch's logits (b x T x 151,936 for Qwen) and their gradient never exist in full."""
@@ -1502,7 +1497,8 @@ def step_logprobs(cfg, model, roll, rows, sizes=None, with_entropy=False):
     with pin_attention(roll["prompt_ids"].device.type):
         lp, ent = response_logprobs(model, *rollout_rows(roll, rows), cfg.temperature, with_entropy=with_entropy,
                                     group_size=min(cfg.group_size, rows.stop - rows.start),
-                                    shared_prompt=not (cfg.gradient_checkpointing or full), mask_right_padding=not full)
+                                    shared_prompt=not (cfg.gradient_checkpointing or full),
+                                    mask_right_padding=not full)
     check_finite(lp, f"log-probs of rows {rows.start}..{rows.stop - 1}", roll["prompt_mask"][rows])
     return lp, ent
 
@@ -1786,7 +1782,8 @@ def format_plan(cfg, sizes, parts, device_type, total):
         f"  generate  {sizes.gen_batch_prompts} prompts x {G} per call: "
         f"KV cache {gib('KV cache of one generate call')}"
         f" | logits {gib('generate: sampling logits')} | prefill {gib('generate: prefill')}",
-        f"  update    {mb} rows per micro-batch{' (full rows)' if sizes.full_rows else ''}: activations {gib('activations of a micro-batch')} | "
+        f"  update    {mb} rows per micro-batch{' (full rows)' if sizes.full_rows else ''}: "
+        f"activations {gib('activations of a micro-batch')} | "
         f"attention masks {gib('attention masks (SDPA)')} | gradients {gib('gradients (fp32)')} | "
         f"bf16 casts {gib('bf16 weight casts')} | logits chunk {gib('logits chunk')} | "
         f"prompt KV cache {gib('KV cache of the shared prompt')}",

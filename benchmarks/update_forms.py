@@ -249,10 +249,9 @@ def main():
                 key = "fwd_bwd" if grad else "fwd"
                 entry[key + "_s"], entry[key + "_first_s"] = seconds, first
                 entry[key + "_tflops"] = (flops if grad else flops / 3) / seconds / 1e12 if part == "all" else None
-            print(f"{form:18s} forward+backward {1e3 * entry['fwd_bwd_s']:8.1f} ms (first {entry['fwd_bwd_first_s']:.1f}"
-                  f" s) | forward {1e3 * entry['fwd_s']:8.1f} ms" + (
-                      f" | {entry['fwd_bwd_tflops']:.0f} / {entry['fwd_tflops']:.0f} TFLOP/s" if part == "all" else ""),
-                  flush=True)
+            rate = f" | {entry['fwd_bwd_tflops']:.0f} / {entry['fwd_tflops']:.0f} TFLOP/s" if part == "all" else ""
+            print(f"{form:18s} forward+backward {1e3 * entry['fwd_bwd_s']:8.1f} ms (first "
+                  f"{entry['fwd_bwd_first_s']:.1f} s) | forward {1e3 * entry['fwd_s']:8.1f} ms{rate}", flush=True)
         except Exception as e:  # noqa: BLE001 (a form that fails is recorded; the others still run)
             entry["error"] = f"{type(e).__name__}: {e}"[:400]
             print(f"{form:18s} failed: {entry['error']}", flush=True)

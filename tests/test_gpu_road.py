@@ -373,7 +373,7 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     files = sorted(os.listdir(out))
     assert files == ["check.log", "e2e_eval.json", "e2e_metrics.jsonl", "forms.json", "probe.json", "profile.json",
                      "psi_ckpt.json", "psi_levers.json", "results.json", "step_22g.json", "step_default.json",
-                     "step_profiled.json", "step_shared.json", "summary.md"]  # the run command brings back results.json and the text
+                     "step_profiled.json", "step_shared.json", "summary.md"]  # a call brings back results.json, text
     for name in ("probe", "build", "step_default", "step_shared", "psi_levers", "forms", "e2e_train", "e2e_resume",
                  "e2e_eval", "profile", "psi_ckpt", "step_22g"):
         assert f"== {name}: exit 0" in log, name
@@ -382,7 +382,8 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     for name in ("psi_levers", "psi_ckpt"):
         r = load(name)
         assert r["psi_std_max"] == 0.0 and r["lr"] == 0.0 and r["varied_prompts"] == 60, name
-        assert r["levers"] == {"verify_workers": 0, "pack_groups": "auto", "full_rows": "auto", "static_cache": True}, name
+        assert r["levers"] == {"verify_workers": 0, "pack_groups": "auto", "full_rows": "auto",
+                               "static_cache": True}, name
     assert load("psi_ckpt")["gradient_checkpointing"] and not load("psi_levers")["gradient_checkpointing"]
     for name in ("step_default", "step_shared", "step_22g"):
         r = load(name)
@@ -397,7 +398,8 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
                                                                             "time_verify"}
     rows = [json.loads(line) for line in (out / "e2e_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["time_save"] > 0 and "eval_acc" in rows[2]
-    assert set(load("results")) >= {"status", "probe", "step_default", "step_shared", "psi_levers", "forms", "e2e_eval"}
+    assert set(load("results")) >= {"status", "probe", "step_default", "step_shared", "psi_levers", "forms",
+                                    "e2e_eval"}
     summary = (out / "summary.md").read_text()
     assert summary == proc.stdout[proc.stdout.index("| check"):]
     assert summary.count("| pass: psi_std 0.0") == 2 and summary.count("| pass: exit 0") == 3

@@ -1,6 +1,7 @@
 """The speed levers (docs/gpu.md), each exact where it claims to be: --static-cache samples what the dynamic cache
 samples, --verify-workers gives the in-process verdicts and leaves no process behind, --pack-groups lets the plan put
-several groups in a micro-batch, --full-rows gives the shared prompt's log-probs and gradient, every step logs the time of its eval and of the checkpoint before it, eval.py sizes
+several groups in a micro-batch, --full-rows gives the shared prompt's log-probs and gradient (auto: where the plan
+fits them on CUDA), every step logs the time of its eval and of the checkpoint before it, eval.py sizes
 its batch from the memory plan on CUDA, and the prepared check's summary reads FAIL where a check failed."""
 import json
 import os
@@ -159,7 +160,7 @@ def test_pack_groups_lets_the_plan_put_several_groups_in_a_micro_batch(capsys):
 
 # ---- --full-rows ------------------------------------------------------------------------------------------------
 def full_rows_roll(model, tok):
-    """Two prompts of unequal length (the second group left-padded), G = 4, an early EOS in two rows (right padding)."""
+    """Two prompts of unequal length (the shorter one's group left-padded), G = 4, an early EOS in two rows."""
     prompts = [pacs.build_prompt(tok, "What is 1 + 1?"), pacs.build_prompt(tok, "A longer one: what is 10 + 20 + 30?")]
     torch.manual_seed(0)
     roll = pacs.sample(model, tok, prompts, group_size=4, max_new_tokens=7)
