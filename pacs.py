@@ -137,12 +137,12 @@ class Config:
     save_minutes: float = flag(15.0, "also checkpoint when this many minutes passed since the last one "
                                "(0 = off)")
     # speed levers (docs/gpu.md: each exact, each measured by the prepared GPU check; auto: on with CUDA)
-    verify_workers: int = flag(1, "processes verifying a step's answers, if 64 or more (0: a core each, <= 16)")
-    pack_groups: Literal["auto", "on", "off"] = flag("auto", "micro-batches of several whole groups where the "
-                                                     "memory plan fits them", nargs="?", const="on")
-    full_rows: Literal["auto", "on", "off"] = flag("auto", "log-prob forwards of each row whole, prompt included "
-                                                   "(auto: where the plan fits whole groups)", nargs="?", const="on")
-    static_cache: bool = flag(False, "generate into a fixed-size KV cache, its decode step compiled on CUDA")
+    verify_workers: int = flag(1, "processes verifying answers, if 64 or more (0: a core each, at most 16)")
+    pack_groups: Literal["auto", "on", "off"] = flag("auto", "micro-batches of several whole groups where "
+                                                     "the plan fits them", nargs="?", const="on")
+    full_rows: Literal["auto", "on", "off"] = flag("auto", "log-prob forwards of each row whole (auto: "
+                                                   "where the plan fits whole groups)", nargs="?", const="on")
+    static_cache: bool = flag(False, "generate into a fixed-size KV cache, decode compiled on CUDA")
 
     def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
         loss_agg, max_grad_norm = OFFICIAL_PER_ALGO.get(self.algo, (None, 0.0))

@@ -293,7 +293,7 @@ def test_a_resume_continues_at_the_sizes_an_out_of_memory_retry_halved(digit_mod
         run(digit_model, tmp_path / "part", "--steps", "2")  # killed after step 1's checkpoint
     assert [(r["micro_batch_size"], r["gen_batch_prompts"]) for r in full] == [(2, 2)] * 3
     state = torch.load(tmp_path / "part" / "checkpoint-000001" / "trainer_state.pt", weights_only=False)
-    assert state["sizes"] == {"micro_batch_size": 2, "gen_batch_prompts": 2}
+    assert state["sizes"] == {"micro_batch_size": 2, "gen_batch_prompts": 2, "full_rows": False}  # the CPU: shared
     assert (state["config"]["micro_batch_size"], state["config"]["gen_batch_prompts"]) == (4, 4)  # cfg: as typed
     with open(tmp_path / "part" / "config.json") as f:
         assert json.load(f)["micro_batch_size"] == 4
