@@ -232,7 +232,7 @@ def run_trl(args):
     trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
     trainer._generate_and_score_completions = timed("rollout", trainer._generate_and_score_completions)
     rss_load = _rss_gb()
-    ckpt_on = trainer.model.is_gradient_checkpointing
+    ckpt_on = trainer.model.is_activation_checkpointing  # (is_gradient_checkpointing: deprecated in transformers 5)
     trainer.train()
     opt = trainer.optimizer
     opt = getattr(opt, "optimizer", opt)
