@@ -299,6 +299,7 @@ def main():
         # max_memory_allocated never sees. Restart with every block over 64 KiB mapped and unmapped on its own.
         os.execve(sys.executable, [sys.executable, *sys.argv],
                   {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"})
+    workers = pacs.set_verify_workers(cfg.verify_workers)  # forked before the model loads, as pacs.train does
     cap = None
     if device.type == "cuda" and cfg.memory_gib > 0 and not args.no_cap:
         cap = cap_allocator(cfg.memory_gib)
@@ -320,7 +321,8 @@ def main():
         sum(float(p.sum()) for p in model.parameters())
     copy_bytes = 0 if rollout_model is model else sum(p.nbytes for p in rollout_model.parameters())  # the plan's too
     rss_base = rss_bytes() - 4 * n_params - copy_bytes if device.type == "cpu" else 0
-    plan = pacs.memory_plan(cfg, model.config, n_params, device.type, sizes.micro_batch_size, sizes.gen_batch_prompts)
+    plan = pacs.memory_plan(cfg, model.config, n_params, device.type, sizes.micro_batch_size, sizes.gen_batch_prompts,
+                            sizes.full_rows)
     n_steps = args.warmup_steps + args.timed_steps
     if args.varied_prompts:
         problems = varied_length_prompts(tokenizer, cfg.prompts_per_step * n_steps, args.varied_prompts,
@@ -344,6 +346,7 @@ def main():
               "allocator_cap_fraction": cap[0] if cap else None,
               "allocator_cap_gib": cap[1] / pacs.GiB if cap else None, "planned_sizes": planned,
               "levers": {k: getattr(cfg, k) for k in ("verify_workers", "pack_groups", "full_rows", "static_cache")},
+              "verify_processes": workers,
               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     if cfg.static_cache:  # compile the decode step first, at the run's shapes (its first call would include it)
         t0 = time.time()
