@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One prepared GPU check of pacs.py, for a short loan of a GPU machine (docs/gpu.md: how to prepare and run it).
 #
-#   bash benchmarks/gpu_check.sh OUT                 # on the GPU machine: about 6 minutes on an H100, at most 8
+#   bash benchmarks/gpu_check.sh OUT                 # on the GPU machine: about 13 minutes on an H200 in all
+#   GPU_CHECK_STEPS="e2e_train e2e_resume e2e_eval" bash benchmarks/gpu_check.sh OUT   # those steps only
 #   bash benchmarks/gpu_check.sh OUT --device cpu    # the rehearsal on a CPU: the same steps at a tiny shape
+# GPU_CHECK_BUDGET: seconds for all steps (a step that would start with under 20 s left is skipped, and said).
 #
 # Reads .gpu/ (GPU_CHECK_DIR), which `python benchmarks/gpu_check.py prepare --wheels` fills beforehand: the wheels
 # the machine lacks (installed into a private folder first, offline), Qwen2.5-0.5B-Instruct's config and tokenizer
@@ -36,6 +38,7 @@ case $DEVICE in cuda|cpu) ;; *) echo "$usage" >&2; exit 2 ;; esac
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 GPU_DIR=${GPU_CHECK_DIR:-$ROOT/.gpu}
 BUDGET=${GPU_CHECK_BUDGET:-$BUDGET_DEFAULT}  # seconds for every step together: on a GPU the call's 8 minutes
+ONLY=${GPU_CHECK_STEPS:-}  # the steps to run, by name (default: all; build runs whenever): a second call's share
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
@@ -64,6 +67,10 @@ fi
 step() {
     local name=$1 limit=$2 left rc start
     shift 2
+    if [ -n "$ONLY" ] && [ "$name" != build ] && [[ " $ONLY " != *" $name "* ]]; then
+        echo "== $name: skipped, not in GPU_CHECK_STEPS" | tee -a "$LOG"
+        return
+    fi
     left=$((BUDGET - SECONDS))
     if [ "$left" -lt 20 ]; then
         echo "== $name: skipped, ${left} s left of ${BUDGET}" | tee -a "$LOG"
@@ -120,7 +127,7 @@ step psi_ckpt 90 "$PY" "${STEP[@]}" "${PSI[@]}" "${OPT_IN[@]}" --gradient-checkp
 step e2e_train 110 "$PY" "${README_TRAIN[@]}" --steps 2
 step e2e_resume 80 "$PY" "${README_TRAIN[@]}" --steps 3 --resume
 cp "$E2E/run/metrics.jsonl" "$OUT/e2e_metrics.jsonl" 2>/dev/null
-step e2e_eval 60 "$PY" eval.py --model "$(ls -d "$E2E"/run/checkpoint-* | tail -1)" --datasets math500 --data-dir "$GPU_DIR/data" \
+step e2e_eval 60 "$PY" eval.py --model "$(ls -d "$E2E"/run/checkpoint-* 2>/dev/null | tail -1)" --datasets math500 --data-dir "$GPU_DIR/data" \
     --device "$DEVICE" "${EVAL[@]}" --out "$E2E/eval"
 cp "$E2E/eval/metrics.json" "$OUT/e2e_eval.json" 2>/dev/null
 step step_22g 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --json "$OUT/step_22g.json"

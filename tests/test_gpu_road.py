@@ -358,6 +358,23 @@ def test_memory_gib_caps_the_allocator_at_what_that_card_leaves_it(monkeypatch):
 
 # ---- the prepared GPU check, rehearsed on the CPU at a tiny shape -------------------------------------------------
 @needs_qwen
+def test_the_gpu_check_runs_only_the_steps_asked_for(tmp_path):
+    """GPU_CHECK_STEPS: a second call's share of the check (the stand-in is built whatever is asked)."""
+    gpu_dir, out = tmp_path / "gpu", tmp_path / "out"
+    prep = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "prepare", "--dest",
+                           str(gpu_dir)], capture_output=True, text=True, timeout=60)
+    assert prep.returncode == 0, prep.stderr
+    env = {**os.environ, "GPU_CHECK_DIR": str(gpu_dir), "PYTHON": sys.executable, "GPU_CHECK_STEPS": "probe"}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), str(out), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    log = (out / "check.log").read_text()
+    assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
+    assert "== probe: exit 0" in log and "== build: exit 0" in log
+    assert "== step_default: skipped, not in GPU_CHECK_STEPS" in log and "== e2e_eval: skipped" in log
+    assert sorted(p.name for p in out.iterdir()) == ["check.log", "probe.json", "results.json", "summary.md"]
+
+
+@needs_qwen
 def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     gpu_dir, out = tmp_path / "gpu", tmp_path / "out"
     prep = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "prepare", "--dest",
