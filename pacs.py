@@ -608,8 +608,8 @@ def train(cfg):
     ref_model = None  # PACS's frozen pi_ref: an fp32 copy, so its log-probs take pi_old's route
     if cfg.ref_reset_every != 1:
         ref_model = copy.deepcopy(model).requires_grad_(False).eval()
-    start, sizes = restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, sizes)
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    start, sizes = restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, sizes, metrics_path)
     trackers = Trackers(report_targets(cfg.report_to), cfg.out_dir, dataclasses.asdict(cfg), start,
                         cfg.log_samples_every)
     print(f"[pacs] {cfg.algo} | model {cfg.model} on {device} | {len(problems)} prompts | {cfg.prompts_per_step} x "
@@ -1488,17 +1488,21 @@ def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask
     return _scatter_response(values, keep, response_ids.shape[1])
 
 
-def step_logprobs(cfg, model, roll, rows, sizes=None, with_entropy=False):
-    """response_logprobs of the rollout's rows on the step's route: each group's prompt run once (rows of a
-    slice smaller than a group share one prompt), unless --gradient-checkpointing or full rows (the run's sizes: the
-    plan's choice under --full-rows auto); on CUDA under the pinned attention kernels (pin_attention), and checked
-    finite (check_finite)."""
+def step_route(cfg, rows, sizes=None):
+    """response_hidden's route for the rollout's rows: each group's prompt run once (rows of a slice smaller than a
+    group share one prompt), unless --gradient-checkpointing or full rows (the run's sizes: the plan's choice under
+    --full-rows auto), whose padding after each response goes unmasked."""
     full = (sizes or Sizes.typed(cfg)).full_rows
+    return {"group_size": min(cfg.group_size, rows.stop - rows.start),
+            "shared_prompt": not (cfg.gradient_checkpointing or full), "mask_right_padding": not full}
+
+
+def step_logprobs(cfg, model, roll, rows, sizes=None, with_entropy=False):
+    """response_logprobs of the rollout's rows on the step's route (step_route); on CUDA under the pinned attention
+    kernels (pin_attention), and checked finite (check_finite)."""
     with pin_attention(roll["prompt_ids"].device.type):
         lp, ent = response_logprobs(model, *rollout_rows(roll, rows), cfg.temperature, with_entropy=with_entropy,
-                                    group_size=min(cfg.group_size, rows.stop - rows.start),
-                                    shared_prompt=not (cfg.gradient_checkpointing or full),
-                                    mask_right_padding=not full)
+                                    **step_route(cfg, rows, sizes))
     check_finite(lp, f"log-probs of rows {rows.start}..{rows.stop - 1}", roll["prompt_mask"][rows])
     return lp, ent
 
@@ -1531,10 +1535,8 @@ def check_finite(values, what, prompt_mask):
 
 
 def step_values(cfg, critic, roll, rows, sizes=None):
-    """response_values of the rollout's rows, on the route step_logprobs takes."""
-    full = (sizes or Sizes.typed(cfg)).full_rows
-    return response_values(critic, *rollout_rows(roll, rows), group_size=min(cfg.group_size, rows.stop - rows.start),
-                           shared_prompt=not (cfg.gradient_checkpointing or full), mask_right_padding=not full)
+    """response_values of the rollout's rows, on the route step_logprobs takes (step_route)."""
+    return response_values(critic, *rollout_rows(roll, rows), **step_route(cfg, rows, sizes))
 
 
 def pack_groups(cfg, device_type):
@@ -1868,12 +1870,11 @@ def timed_save(cfg, model, tokenizer, optimizer, step, critic, critic_optimizer,
     return seconds
 
 
-def restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, sizes):
+def restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, sizes, metrics_path):
     """(first step, sizes): with a checkpoint to resume from, its AdamW states, RNG states, pi_ref and batch sizes
     restored; else (0, sizes). metrics.jsonl keeps the rows before that step (a kill after logging, before saving,
     left rows that will be redone) and config.json the flags of this run."""
     start = 0
-    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     if resume_from:
         state = torch.load(os.path.join(resume_from, "trainer_state.pt"), weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
