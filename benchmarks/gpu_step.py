@@ -177,17 +177,28 @@ def start_profiler(device):
     return prof
 
 
+def top_kernels(prof, cuda, top=25):
+    """(the `top` kernels (CUDA) or ops (CPU) by self time: name, calls, ms, share of all; the total ms) of a stopped
+    torch.profiler."""
+    rows = [(e.key, e.count, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3)
+            for e in prof.key_averages()]
+    total = sum(ms for _, _, ms in rows) or 1.0
+    return [{"name": name[:160], "calls": calls, "ms": ms, "share": ms / total}
+            for name, calls, ms in sorted(rows, key=lambda r: -r[2])[:top]], total
+
+
+def print_kernels(kernels, lines=10):
+    for k in kernels[:lines]:
+        print(f"  {100 * k['share']:5.1f}%  {k['ms']:9.1f} ms  {k['calls']:7d}x  {k['name'][:90]}", flush=True)
+
+
 def profile_table(prof, metrics, device, top=25):
     """{kernels: the `top` kernels (CUDA) or ops (CPU) by self time: name, calls, ms, share of all; phases: each
     profiled phase's wall seconds and the seconds the device ran kernels in it (a low share: launch- or host-bound)},
     from a profiler stopped after the step. The phases' windows follow train_step's own timings, counted back from
     the profiled window's end."""
     cuda = device.type == "cuda"
-    rows = [(e.key, e.count, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3)
-            for e in prof.key_averages()]
-    total = sum(ms for _, _, ms in rows) or 1.0
-    kernels = [{"name": name[:160], "calls": calls, "ms": ms, "share": ms / total}
-               for name, calls, ms in sorted(rows, key=lambda r: -r[2])[:top]]
+    kernels, total = top_kernels(prof, cuda, top)
     events = [e for e in prof.events() if (e.device_type.name == "CUDA") == cuda and e.time_range.elapsed_us() > 0]
     if not events:
         return {"kernels": kernels, "phases": {}}
@@ -454,8 +465,7 @@ def main():
         print(f"profile ({args.profile}): " + " | ".join(
             f"{k[5:]} {v['wall_s']:.2f} s, device busy {100 * v['busy_share']:.0f}%" if v["busy_share"] is not None
             else f"{k[5:]} {v['wall_s']:.2f} s" for k, v in table["phases"].items()))
-        for k in table["kernels"][:10]:
-            print(f"  {100 * k['share']:5.1f}%  {k['ms']:9.1f} ms  {k['calls']:7d}x  {k['name'][:90]}")
+        print_kernels(table["kernels"])
     if args.expect_psi_zero and any(v != 0 for v in psi):
         fail(f"psi_std {max(psi)} != 0 at --lr {cfg.lr}: the training forward and the old log-probs disagree", "",
              result)

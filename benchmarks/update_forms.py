@@ -107,19 +107,15 @@ def time_form(cfg, model, roll, micro, grad, part, device, repeats):
 def profiled(fn, device, top):
     """fn() under torch.profiler: {wall_s, device_busy_s, busy_share, kernels: the top kernels by self device time}
     (on the CPU: by self CPU time, no busy share)."""
-    from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
     sync(device)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        t0 = time.time()
-        fn()
-        sync(device)
-        wall = time.time() - t0
-    rows = [(e.key, e.count, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3)
-            for e in prof.key_averages()]
-    total = sum(ms for _, _, ms in rows) or 1.0
-    kernels = [{"name": name[:160], "calls": calls, "ms": ms, "share": ms / total}
-               for name, calls, ms in sorted(rows, key=lambda r: -r[2])[:top]]
+    prof = gpu_step.start_profiler(device)
+    t0 = time.time()
+    fn()
+    sync(device)
+    wall = time.time() - t0
+    prof.__exit__(None, None, None)
+    kernels, total = gpu_step.top_kernels(prof, cuda, top)
     busy = None
     if cuda:  # the union of the kernels' intervals
         spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
@@ -138,8 +134,7 @@ def profiled(fn, device, top):
 def print_profile(name, p, lines=12):
     share = f", device busy {100 * p['busy_share']:.0f}%" if p["busy_share"] else ""
     print(f"profile {name}: {p['wall_s']:.3f} s{share}", flush=True)
-    for k in p["kernels"][:lines]:
-        print(f"  {100 * k['share']:5.1f}%  {k['ms']:9.2f} ms  {k['calls']:6d}x  {k['name'][:90]}", flush=True)
+    gpu_step.print_kernels(p["kernels"], lines)
 
 
 def profile_update(cfg, model, roll, device, top, result):
