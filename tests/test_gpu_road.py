@@ -357,18 +357,25 @@ def test_memory_gib_caps_the_allocator_at_what_that_card_leaves_it(monkeypatch):
 
 
 # ---- the prepared GPU check, rehearsed on the CPU at a tiny shape -------------------------------------------------
-@needs_qwen
-def test_the_gpu_check_runs_only_the_steps_asked_for(tmp_path):
-    """GPU_CHECK_STEPS: a second call's share of the check (the stand-in is built whatever is asked)."""
+def rehearse_check(tmp_path, timeout, **env):
+    """benchmarks/gpu_check.sh --device cpu on a fresh `prepare` (without the wheels), its exit status asserted 0:
+    (the prepared folder, OUT, check.log, the script's stdout)."""
     gpu_dir, out = tmp_path / "gpu", tmp_path / "out"
     prep = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "prepare", "--dest",
                            str(gpu_dir)], capture_output=True, text=True, timeout=60)
     assert prep.returncode == 0, prep.stderr
-    env = {**os.environ, "GPU_CHECK_DIR": str(gpu_dir), "PYTHON": sys.executable, "GPU_CHECK_STEPS": "probe"}
+    env = {**os.environ, "GPU_CHECK_DIR": str(gpu_dir), "PYTHON": sys.executable, **env}
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), str(out), "--device", "cpu"],
-                          capture_output=True, text=True, timeout=600, env=env)
-    log = (out / "check.log").read_text()
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    log = (out / "check.log").read_text() if (out / "check.log").exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
+    return gpu_dir, out, log, proc.stdout
+
+
+@needs_qwen
+def test_the_gpu_check_runs_only_the_steps_asked_for(tmp_path):
+    """GPU_CHECK_STEPS: a second call's share of the check (the stand-in is built whatever is asked)."""
+    _, out, log, _ = rehearse_check(tmp_path, 600, GPU_CHECK_STEPS="probe")
     assert "== probe: exit 0" in log and "== build: exit 0" in log
     assert "== step_default: skipped, not in GPU_CHECK_STEPS" in log and "== e2e_eval: skipped" in log
     assert sorted(p.name for p in out.iterdir()) == ["check.log", "probe.json", "results.json", "summary.md"]
@@ -376,17 +383,9 @@ def test_the_gpu_check_runs_only_the_steps_asked_for(tmp_path):
 
 @needs_qwen
 def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
-    gpu_dir, out = tmp_path / "gpu", tmp_path / "out"
-    prep = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "prepare", "--dest",
-                           str(gpu_dir)], capture_output=True, text=True, timeout=60)
-    assert prep.returncode == 0, prep.stderr
+    gpu_dir, out, log, stdout = rehearse_check(tmp_path, 1300, OMP_NUM_THREADS="1")
     assert sorted(os.listdir(gpu_dir / "model")) == ["config.json", "generation_config.json", "tokenizer.json",
                                                      "tokenizer_config.json"]
-    env = {**os.environ, "GPU_CHECK_DIR": str(gpu_dir), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), str(out), "--device", "cpu"],
-                          capture_output=True, text=True, timeout=1300, env=env)
-    log = (out / "check.log").read_text() if (out / "check.log").exists() else ""
-    assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
     files = sorted(os.listdir(out))
     assert files == ["check.log", "e2e_eval.json", "e2e_metrics.jsonl", "forms.json", "probe.json", "profile.json",
                      "psi_ckpt.json", "psi_levers.json", "results.json", "step_22g.json", "step_default.json",
@@ -419,6 +418,6 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     assert set(load("results")) >= {"status", "probe", "step_default", "step_shared", "psi_levers", "forms",
                                     "e2e_eval"}
     summary = (out / "summary.md").read_text()
-    assert summary == proc.stdout[proc.stdout.index("| check"):]
+    assert summary == stdout[stdout.index("| check"):]
     assert summary.count("| pass: psi_std 0.0") == 2 and summary.count("| pass: exit 0") == 3
     assert "FAIL" not in summary and "no result" not in summary
