@@ -258,8 +258,9 @@ def test_a_tracker_failing_mid_run_warns_once_and_the_run_goes_on(digit_model, c
 
 
 def test_asking_for_a_tracker_not_installed_or_unknown_is_a_one_line_error(tiny_model_dir, monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    real = importlib.util.find_spec  # wandb missing, tensorboard there (installed or not here): the missing one named
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else
+                        real("json") if name == "tensorboard" else real(name, *a))
     argv = ["--model", tiny_model_dir, "--dataset", "synthetic", "--device", "cpu", "--report-to"]
     with pytest.raises(SystemExit) as e:
         pacs.main(argv + ["tensorboard,wandb"])
@@ -272,7 +273,8 @@ def test_asking_for_a_tracker_not_installed_or_unknown_is_a_one_line_error(tiny_
         ev.main(["--model", tiny_model_dir, "--datasets", "synthetic", "--report-to", "wandb"])
     assert str(e.value) == "eval.py: error: --report-to wandb: the package is not installed: pip install wandb"
     assert pacs.report_targets(["none"]) == pacs.report_targets(None) == []
-    assert pacs.report_targets(["all"]) == [t for t in INSTALLED if t != "wandb"]
+    assert pacs.report_targets(["all"]) == [t for t in pacs.TRACKERS if t == "tensorboard" or t in INSTALLED
+                                            and t != "wandb"]
 
 
 @needs("tensorboard")
