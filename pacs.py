@@ -22,6 +22,7 @@ Every flag: python pacs.py --help.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import dataclasses
 import glob
@@ -1285,7 +1286,8 @@ def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad, ca
             cache.batch_repeat_interleave(group_size)
     if cache_tokens:
         cache = static_cache(model, cache, group_size, max(cache_tokens, ids.shape[1] + gen_cfg.max_new_tokens))
-    out = generate_exactly(model, gen_cfg, input_ids=ids, attention_mask=attn, cache=cache)  # (n*G, Lp+T)
+    with folded_decode_attention(model, on=cache_tokens > 0):
+        out = generate_exactly(model, gen_cfg, input_ids=ids, attention_mask=attn, cache=cache)  # (n*G, Lp+T)
     resp = out[:, ids.shape[1]:]  # (n*G, T)
     resp_mask, truncated = first_eos_mask(resp, eos)
     resp = torch.where(resp_mask.bool(), resp, torch.full_like(resp, pad))
@@ -1305,6 +1307,44 @@ def static_cache(model, prefix, group_size, max_len):
             dst.values[:, :, :values.shape[2]].copy_(values)
             dst.cumulative_length.fill_(keys.shape[2])
     return cache
+
+
+FOLDED_GQA = "sdpa_folded_gqa"  # the attention --static-cache's generate runs (registered with transformers)
+
+
+def folded_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention, but a lone query token's heads attend as queries of the K/V head they share:
+    (B, H, 1, D) -> (B, Hkv, H/Hkv, D), and no copy of K/V for each query head. transformers folds so itself, but
+    not in compiled code, where --static-cache's decode step runs: there it copied the whole cache H/Hkv times a
+    layer (7 for Qwen2.5-0.5B; docs/gpu.md). The same softmax over the same keys, row by row."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1 or (attention_mask is not None and attention_mask.shape[1] != 1):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    b, h, _, d = query.shape  # query (B, H, 1, D); key, value (B, Hkv, S, D); attention_mask (B, 1, 1, S) or None
+    folded = query.reshape(b, h // groups, groups, d)  # (B, Hkv, g, D): head i is query i % g of K/V head i // g
+    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling)  # (B, Hkv, g, D)
+    return out.reshape(b, 1, h, d), None  # (B, 1, H, D), as transformers' attention functions return it
+
+
+@contextlib.contextmanager
+def folded_decode_attention(model, on=True):
+    """generate under folded_gqa_attention where the model runs transformers' SDPA (its default), then SDPA again:
+    the log-prob forwards never see it. The compiled decode step sees one name throughout, so it compiles once."""
+    if not on or model.config._attn_implementation != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    AttentionInterface.register(FOLDED_GQA, folded_gqa_attention)
+    AttentionMaskInterface.register(FOLDED_GQA, sdpa_mask)  # SDPA's masks, as they are
+    model.set_attn_implementation(FOLDED_GQA)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation("sdpa")
 
 
 @torch.no_grad()

@@ -5,6 +5,7 @@ fits them on CUDA), every step logs the time of its eval and of the checkpoint b
 its batch from the memory plan on CUDA, and the prepared check's summary reads FAIL where a check failed."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from scipy import stats
 
 import eval as ev
@@ -59,6 +61,72 @@ def test_static_cache_samples_the_models_distribution(digit_model):
         observed[expected.argmax()] += counts[~keep].sum()
         expected[expected.argmax()] += p[~keep].sum() * 4000
     assert stats.chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_folded_attention_is_sdpa_over_every_head():
+    """One query token: the folded heads give what SDPA gives over K/V repeated for every head, under a padding mask
+    (fp32); more query tokens go to transformers' SDPA as they are."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    q, k, v = torch.randn(2, 6, 1, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)  # 6 heads on 2 K/V heads
+    mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    mask[0, ..., :4] = False  # row 0 left-padded
+    out, _ = pacs.folded_gqa_attention(module, q, k, v, mask, scaling=0.3)  # (B, 1, H, D)
+    ref = F.scaled_dot_product_attention(q, repeat_kv(k, 3), repeat_kv(v, 3), attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-6, atol=1e-6)
+    q4 = torch.randn(2, 6, 4, 8)
+    mask4 = torch.ones(2, 1, 4, 10, dtype=torch.bool).tril(6)
+    assert torch.equal(pacs.folded_gqa_attention(module, q4, k, v, mask4, scaling=0.3)[0],
+                       sdpa_attention_forward(module, q4, k, v, mask4, scaling=0.3)[0])
+
+
+def test_static_cache_decodes_with_folded_heads(digit_model, monkeypatch):
+    """--static-cache's generate runs folded_gqa_attention: every decode step's attention on the K/V heads (2 here,
+    2 query heads each), none on K/V copied for each of the 4 query heads. The model is back on SDPA afterwards,
+    also after an error, and the dynamic cache's generate runs SDPA."""
+    model, tok = pacs.load_model(digit_model)
+    prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 + 40 = ?")]
+    shapes, names, sdpa, generate = [], [], F.scaled_dot_product_attention, pacs.generate_exactly
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, *a, **kw: shapes.append(
+        (tuple(q.shape), k.shape[1])) or sdpa(q, k, *a, **kw))
+    monkeypatch.setattr(pacs, "generate_exactly", lambda m, *a, **k: names.append(m.config._attn_implementation)
+                        or generate(m, *a, **k))
+    pacs.sample(model, tok, prompts, 4, 6, cache_tokens=80)
+    pacs.sample(model, tok, prompts, 4, 6)
+    assert names == [pacs.FOLDED_GQA, "sdpa"] and model.config._attn_implementation == "sdpa"
+    decode = [s for s in shapes if s[0][0] == 8]  # 2 prompts x 4 rows: the prefill ran on one row a prompt
+    assert decode and all(q == (8, 2, 2, 16) and kv_heads == 2 for q, kv_heads in decode), set(shapes)
+    monkeypatch.setattr(pacs, "generate_exactly", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        pacs.sample(model, tok, prompts, 4, 6, cache_tokens=80)
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
+def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_model, monkeypatch):
+    """The CUDA road's decode step, compiled, on the CPU (transformers compiles it on CUDA only, unless told to):
+    the folded heads give the dynamic cache's tokens for the same seed."""
+    from transformers import CompileConfig
+    model, tok = pacs.load_model(digit_model)
+    prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 + 40 = ?")]
+    torch.manual_seed(0)
+    dynamic = pacs.sample(model, tok, prompts, 4, 12, 1.5)
+    compile_config = CompileConfig(mode="default")  # no CUDA graphs on the CPU
+    compile_config._compile_all_devices = True
+    config = pacs.rollout_generation_config
+
+    def compiled(*args, **kwargs):
+        generation_config = config(*args, **kwargs)
+        generation_config.compile_config = compile_config
+        return generation_config
+    monkeypatch.setattr(pacs, "rollout_generation_config", compiled)
+    torch.manual_seed(0)
+    compiled = pacs.sample(model, tok, prompts, 4, 12, 1.5, cache_tokens=80)
+    for key in dynamic:
+        assert torch.equal(dynamic[key], compiled[key]), key
 
 
 def test_static_cache_length_is_one_shape_for_the_run():
