@@ -287,6 +287,7 @@ def summary_rows(out):
                                f"{r.get('prompt_tokens')} tokens, micro-batch {r.get('micro_batch_size')} rows)"))
     steps = {}
     for name, what in (("step_default", "default step, the defaults"),
+                       ("step_opt_in", "default step, --verify-workers 0 --static-cache"),
                        ("step_shared", "default step, one group per micro-batch, shared prompt"),
                        ("step_22g", "--memory-gib 22.5, the defaults")):
         r = steps[name] = load(name)
@@ -314,6 +315,17 @@ def summary_rows(out):
         rows.append(("--pack-groups, --full-rows: speed-up (same card, same call)",
                      f"step {ratio('step_s')} | generate {ratio('generate_s')} | verify {ratio('verify_s')} | old "
                      f"log-probs {ratio('old_logprobs_s')} | updates {ratio('update_s')}"))
+    opt_in = steps.get("step_opt_in")
+    if levers and opt_in and "error" not in levers and "error" not in opt_in:
+        ratio = lambda k: f"x{levers[k] / opt_in[k]:.2f}" if opt_in[k] else "-"
+        rows.append(("--verify-workers 0, --static-cache: speed-up (same card, same call)",
+                     f"step {ratio('step_s')} | generate {ratio('generate_s')} | verify {ratio('verify_s')} "
+                     f"({opt_in.get('verify_processes')} processes)"))
+    decode = load("decode")
+    if decode and "error" not in decode:
+        runs = decode.get("profiles", {})
+        rows.append(("decode: ms a step (prefill included), first call", " | ".join(
+            f"{k[7:]} {v['ms_per_token']:.1f} ms, {v['first_call_s']:.1f} s" for k, v in runs.items()) or "none"))
     forms = load("forms")
     if forms and "error" not in forms:  # one mini-batch in each form: each lever's own ratio on the update
         f = forms.get("forms", {})

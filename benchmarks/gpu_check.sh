@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check of pacs.py, for a short loan of a GPU machine (docs/gpu.md: how to prepare and run it).
 #
-#   bash benchmarks/gpu_check.sh OUT                 # on the GPU machine: about 13 minutes on an H200 in all
+#   bash benchmarks/gpu_check.sh OUT                 # on the GPU machine: about 17 minutes on an H200 in all
 #   GPU_CHECK_STEPS="e2e_train e2e_resume e2e_eval" bash benchmarks/gpu_check.sh OUT   # those steps only
 #   bash benchmarks/gpu_check.sh OUT --device cpu    # the rehearsal on a CPU: the same steps at a tiny shape
 # GPU_CHECK_BUDGET: seconds for all steps (a step that would start with under 20 s left is skipped, and said).
@@ -12,19 +12,24 @@
 # its own `timeout` and writes its JSON into OUT; a step that fails or times out is recorded and the next one runs.
 #   probe          versions, the card, SDPA's kernels on rows of padding, the allocator's settings
 #   step_default   the defaults at the default shape: time split, tokens/s, generate and update peaks vs the plan
-#   step_shared    the same with one group per micro-batch and the shared prompt (--pack-groups off --full-rows off)
+#   step_opt_in    the same with the opt-in levers on (--verify-workers 0 --static-cache, the decode step compiled
+#                  first): against step_default, the verifier's and generate's ratios
+#   decode         ms a decode step at 1,024 rows, the dynamic cache and the static one (compiled), with profiles
 #   psi_levers     psi at --lr 0 with every lever on, prompts of varied length (left padding): psi_std exactly 0
-#   forms          one mini-batch's update in each form (benchmarks/update_forms.py): each lever's own ratio
 #   psi_ckpt       psi at --lr 0 with every lever on, --gradient-checkpointing
 #   e2e_train, e2e_resume, e2e_eval   the README's commands end to end: 2 steps with a held-out eval and a
 #                  checkpoint each, a resumed step, eval.py on the checkpoint (each under its own time limit)
+#   step_shared    the default step with one group per micro-batch and the shared prompt (--pack-groups off
+#                  --full-rows off)
+#   forms          one mini-batch's update in each form (benchmarks/update_forms.py): each lever's own ratio
 #   step_22g       the defaults at --memory-gib 22.5 under a real allocator cap (a 24 GB card's limit)
 #   profile        torch.profiler over a smaller default step's verify, old log-probs and updates
 # --pack-groups and --full-rows (on by default with CUDA) act on the old log-probs and the updates: step_shared
 # against step_default gives their ratio phase by phase, and forms each one's own, on one card in one call. The
-# opt-in levers, slower on an H200 (docs/gpu.md), run only in the psi checks: --verify-workers 0, --static-cache. Then OUT/summary.md (a table with a verdict per
-# check: a missing or nonzero psi, a peak over its plan or a failed command reads FAIL) and OUT/results.json (every
-# step's JSON in one file: a GPU loan brings back at most 8 files).
+# opt-in levers (--verify-workers 0, --static-cache) act on the verifier and generate: step_opt_in against
+# step_default, on one card in one call. Then OUT/summary.md (a table with a verdict per check: a missing or nonzero
+# psi, a peak over its plan or a failed command reads FAIL) and OUT/results.json (every step's JSON in one file: a
+# GPU loan brings back at most 8 files).
 set -u
 usage="usage: bash benchmarks/gpu_check.sh OUT_DIR [--device cuda|cpu]"
 OUT=${1:?$usage}
@@ -99,6 +104,7 @@ if [ "$DEVICE" = cuda ]; then
     TRAIN=(--prompts-per-step 16 --eval-size 32 --max-new-tokens 512)
     EVAL=(--limit 32 --n 4 --k 1,2,4 --max-new-tokens 512)
     FORMS=(--forms shared-8,shared-32,full-8,full-32 --repeats 2)
+    DECODE=(--decode-rows 1024)
 else  # the rehearsal: 2 small layers with the real vocabulary, a few rows and tokens
     TINY=(--tiny)
     DEFAULT=(--prompts-per-step 2 --group-size 2 --num-mini-batches 1 --max-prompt-tokens 64 --max-new-tokens 4)
@@ -110,6 +116,7 @@ else  # the rehearsal: 2 small layers with the real vocabulary, a few rows and t
     EVAL=(--limit 2 --n 2 --k 1,2 --max-new-tokens 4)
     FORMS=(--tiny --forms shared-2,shared-4,full-2,full-4 --repeats 1 --rows 4 --group-size 2 --max-prompt-tokens 64
            --max-new-tokens 4)
+    DECODE=(--tiny --decode-rows 4 --decode-tokens 4 --group-size 2 --max-prompt-tokens 64 --max-new-tokens 4)
 fi
 # the README's train command, on the stand-in and the prepared MATH text, with an eval and a checkpoint every step
 README_TRAIN=(pacs.py --model "$STANDIN" --dataset math --data-dir "$GPU_DIR/data" --device "$DEVICE" "${TRAIN[@]}"
@@ -119,10 +126,10 @@ cd "$ROOT" || exit 2
 step probe 60 "$PY" benchmarks/gpu_check.py probe "$OUT/probe.json" --device "$DEVICE"
 step build 90 "$PY" benchmarks/gpu_check.py build "$STANDIN" --model-dir "$GPU_DIR/model" "${TINY[@]}"
 step step_default 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --json "$OUT/step_default.json"
-step step_shared 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${SHARED[@]}" --json "$OUT/step_shared.json"
+step step_opt_in 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${OPT_IN[@]}" --json "$OUT/step_opt_in.json"
+step decode 150 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
+    --forms "" "${DECODE[@]}" --json "$OUT/decode.json"
 step psi_levers 100 "$PY" "${STEP[@]}" "${PSI[@]}" "${OPT_IN[@]}" --json "$OUT/psi_levers.json"
-step forms 90 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
-    "${FORMS[@]}" --decode-tokens 0 --json "$OUT/forms.json"
 step psi_ckpt 90 "$PY" "${STEP[@]}" "${PSI[@]}" "${OPT_IN[@]}" --gradient-checkpointing --json "$OUT/psi_ckpt.json"
 step e2e_train 110 "$PY" "${README_TRAIN[@]}" --steps 2
 step e2e_resume 80 "$PY" "${README_TRAIN[@]}" --steps 3 --resume
@@ -130,6 +137,9 @@ cp "$E2E/run/metrics.jsonl" "$OUT/e2e_metrics.jsonl" 2>/dev/null
 step e2e_eval 60 "$PY" eval.py --model "$(ls -d "$E2E"/run/checkpoint-* 2>/dev/null | tail -1)" --datasets math500 --data-dir "$GPU_DIR/data" \
     --device "$DEVICE" "${EVAL[@]}" --out "$E2E/eval"
 cp "$E2E/eval/metrics.json" "$OUT/e2e_eval.json" 2>/dev/null
+step step_shared 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${SHARED[@]}" --json "$OUT/step_shared.json"
+step forms 90 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
+    "${FORMS[@]}" --decode-tokens 0 --json "$OUT/forms.json"
 step step_22g 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --json "$OUT/step_22g.json"
 step profile 70 "$PY" "${STEP[@]}" "${PROFILE[@]}" --profile "$OUT/profile.json" --json "$OUT/step_profiled.json"
 echo "== total ${SECONDS} s" | tee -a "$LOG"

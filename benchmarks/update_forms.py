@@ -186,7 +186,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--forms", default="shared-8,shared-32,full-8,body-8,head-8,compiled-full-8",
-                    help="comma-separated: {shared,full,body,head,compiled-shared,compiled-full}-ROWS")
+                    help="comma-separated: {shared,full,body,head,compiled-shared,compiled-full}-ROWS; none: the "
+                    "decode profiles alone")
     ap.add_argument("--decode-rows", default="1024,128", help="comma-separated row counts of the decode profiles")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-static", type=int, default=1, help="also profile decode with the static cache (1)")
@@ -215,9 +216,9 @@ def main():
           f"{flops / 1e12:.1f} TFLOP forward + backward", flush=True)
     model.train()
     decoder, compiled = model.base_model, None
-    forms = args.forms.split(",")
+    forms = [f for f in args.forms.split(",") if f]  # --forms "": the decode profiles alone
     save = lambda: args.json and json.dump(result, open(args.json, "w"), indent=2)  # noqa: E731 (after each part)
-    for form in [f for f in forms if not f.startswith("compiled")] + ["profiles", "decode"] + \
+    for form in [f for f in forms if not f.startswith("compiled")] + ["profiles"] * bool(forms) + ["decode"] + \
             [f for f in forms if f.startswith("compiled")]:  # the compiled forms last: their compile is the longest
         if form == "profiles":
             profile_update(cfg, model, roll, device, args.top, result)
