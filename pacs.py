@@ -22,7 +22,6 @@ Every flag: python pacs.py --help.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import copy
 import dataclasses
 import glob
@@ -129,8 +128,7 @@ class Config:
     rollout_dtype: Literal["auto", "bf16", "fp32"] = flag("auto", "weights generate() runs on: "
                                                           "auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
     autocast: Literal["auto", "bf16", "off"] = flag("auto", "bf16 autocast of the training forwards: auto "
-                                                    "(on CUDA only) | bf16 (on the CPU: CUDA's rounding, "
-                                                    "emulated) | off")
+                                                    "(CUDA only) | bf16 (on the CPU: CUDA's rounding) | off")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward "
                                         "(prompts are then run per row)")
     memory_gib: float = flag(0.0, "plan memory for this many GiB instead of the device's (0 = the device's)")
@@ -138,12 +136,13 @@ class Config:
     save_minutes: float = flag(15.0, "also checkpoint when this many minutes passed since the last one "
                                "(0 = off)")
     # speed levers (docs/gpu.md: each exact, each measured by the prepared GPU check; auto: on with CUDA)
-    verify_workers: int = flag(1, "processes verifying answers, if 64 or more (0: a core each, at most 16)")
+    verify_workers: int = flag(-1, "processes verifying answers (0: a core each; 1: this; -1: 0 with CUDA)")
     pack_groups: Literal["auto", "on", "off"] = flag("auto", "micro-batches of several whole groups where "
                                                      "the plan fits them", nargs="?", const="on")
     full_rows: Literal["auto", "on", "off"] = flag("auto", "log-prob forwards of each row whole (auto: "
                                                    "where the plan fits whole groups)", nargs="?", const="on")
-    static_cache: bool = flag(False, "generate into a fixed-size KV cache, decode compiled on CUDA")
+    static_cache: Literal["auto", "on", "off"] = flag("auto", "generate into a fixed-size KV cache, its "
+                                                      "decode step compiled", nargs="?", const="on")
 
     def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
         loss_agg, max_grad_norm = OFFICIAL_PER_ALGO.get(self.algo, (None, 0.0))
@@ -435,7 +434,7 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     prompts = [build_prompt(tokenizer, p["problem"]) for p in batch]
     # ---- 1. sample: G responses per prompt from pi_old (PACS in ten lines: 1) ---------------------------
     roll = sample(rollout_model or model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                  batch_prompts=sizes.gen_batch_prompts, sizes=sizes, cache_tokens=cache_tokens(cfg))
+                  batch_prompts=sizes.gen_batch_prompts, sizes=sizes, cache_tokens=cache_tokens(cfg, device))
     roll = {k: v.to(device) for k, v in roll.items()}
     t_gen = time.time()
     # ---- 2. verify: R in {0, 1} per response (ten lines: 2) ---------------------------------------------
@@ -595,7 +594,7 @@ def train(cfg):
     random.seed(cfg.seed)  # seeding python, numpy, torch: CPU runs are bit-reproducible for a given seed
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    set_verify_workers(1 if cfg.plan_only else cfg.verify_workers)  # forked before CUDA starts, the model loads
+    set_verify_workers(1 if cfg.plan_only else verify_processes(cfg))  # forked before the model loads
     device = pick_device(cfg)
     if cfg.plan_only:  # the plan needs the architecture only: config.json, no weights, no device
         model_config = load_model_config(cfg.model)
@@ -626,7 +625,7 @@ def train(cfg):
         last = step == cfg.steps - 1
         if eval_problems and (step % cfg.eval_every == 0 or last):
             metrics["eval_acc"] = greedy_accuracy(rollout_model, tokenizer, eval_problems, cfg.max_new_tokens,
-                                                  eval_batch_prompts(cfg, sizes, device), cache_tokens(cfg))
+                                                  eval_batch_prompts(cfg, sizes, device), cache_tokens(cfg, device))
         # outside the step: the held-out eval (with the copy's refresh), and the checkpoint written after the last step
         metrics.update(time_eval=time.time() - t0 if "eval_acc" in metrics else 0.0, time_save=time_save)
         time_save = 0.0
@@ -737,6 +736,14 @@ def set_verify_workers(workers):
         VERIFIER["pool"] = multiprocessing.get_context("fork").Pool(n, initializer=ignore_sigint)
     VERIFIER["workers"] = n
     return n
+
+
+def verify_processes(cfg):
+    """--verify-workers as set_verify_workers takes it: -1 (the default) is a core each with CUDA (the verifier took
+    5.2 s of a 58 s default step on an H200 in this process, 3.5 s over 16; docs/gpu.md), this process without."""
+    if cfg.verify_workers >= 0:
+        return cfg.verify_workers
+    return 0 if cfg.device != "cpu" and torch.cuda.is_available() else 1
 
 
 def stop_verify_workers():
@@ -1286,8 +1293,8 @@ def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad, ca
             cache.batch_repeat_interleave(group_size)
     if cache_tokens:
         cache = static_cache(model, cache, group_size, max(cache_tokens, ids.shape[1] + gen_cfg.max_new_tokens))
-    with folded_decode_attention(model, on=cache_tokens > 0):
-        out = generate_exactly(model, gen_cfg, input_ids=ids, attention_mask=attn, cache=cache)  # (n*G, Lp+T)
+    generate = generate_folded if cache_tokens else generate_exactly
+    out = generate(model, gen_cfg, input_ids=ids, attention_mask=attn, cache=cache)  # (n*G, Lp+T)
     resp = out[:, ids.shape[1]:]  # (n*G, T)
     resp_mask, truncated = first_eos_mask(resp, eos)
     resp = torch.where(resp_mask.bool(), resp, torch.full_like(resp, pad))
@@ -1329,20 +1336,18 @@ def folded_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     return out.reshape(b, 1, h, d), None  # (B, 1, H, D), as transformers' attention functions return it
 
 
-@contextlib.contextmanager
-def folded_decode_attention(model, on=True):
-    """generate under folded_gqa_attention where the model runs transformers' SDPA (its default), then SDPA again:
-    the log-prob forwards never see it. The compiled decode step sees one name throughout, so it compiles once."""
-    if not on or model.config._attn_implementation != "sdpa":
-        yield
-        return
+def generate_folded(model, generation_config, **inputs):
+    """generate_exactly under folded_gqa_attention where the model runs transformers' SDPA (its default), then SDPA
+    again: the log-prob forwards never see it. The compiled decode step sees one name throughout: one compile."""
+    if model.config._attn_implementation != "sdpa":
+        return generate_exactly(model, generation_config, **inputs)
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
     AttentionInterface.register(FOLDED_GQA, folded_gqa_attention)
     AttentionMaskInterface.register(FOLDED_GQA, sdpa_mask)  # SDPA's masks, as they are
     model.set_attn_implementation(FOLDED_GQA)
     try:
-        yield
+        return generate_exactly(model, generation_config, **inputs)
     finally:
         model.set_attn_implementation("sdpa")
 
@@ -1406,9 +1411,14 @@ def eval_batch_prompts(cfg, sizes, device):
     return sizes.gen_batch_prompts * (cfg.group_size if device.type == "cuda" else 1)
 
 
-def cache_tokens(cfg):
+def static_cache_on(cfg, device_type):
+    """Whether generate runs on a static KV cache (--static-cache; auto: on CUDA, where its decode step compiles)."""
+    return cfg.static_cache == "on" or (cfg.static_cache == "auto" and device_type == "cuda")
+
+
+def cache_tokens(cfg, device):
     """generate's static KV cache length under --static-cache (one shape for every call of the run), else 0."""
-    return cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.static_cache else 0
+    return cfg.max_prompt_tokens + cfg.max_new_tokens if static_cache_on(cfg, device.type) else 0
 
 
 def tqdm_write(msg):
@@ -1549,8 +1559,8 @@ def step_logprobs(cfg, model, roll, rows, sizes=None, with_entropy=False):
 
 # SDPA's kernels on CUDA, pinned wherever log-probs are taken: psi = 0 at pi_theta == pi_old needs phase 3's no-grad
 # forwards and phase 4's grad forwards on the same kernel, and SDPA picks by the inputs (requires_grad too). Flash
-# takes the unmasked calls, memory-efficient the left-padded; math (O(T^2) memory) and cuDNN never run (setup_model
-# turns them off for the run, checkpointing's recomputation and generate() included). The CPU is unchanged.
+# takes the unmasked calls, memory-efficient the left-padded; math (O(T^2) memory) and cuDNN never run
+# (set_cuda_kernels turns them off for the run and for eval.py, recomputation and generate() included).
 PINNED_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 
 
@@ -1688,7 +1698,7 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         # on CUDA the compiled decode step's own output logits (CUDA graphs keep their buffers between calls)
         "generate: static cache extras": (gen_batch_prompts * Lp * kv_per_token * a_roll
                                           + (gen_rows * V * a_roll if device_type == "cuda" else 0))
-        if cfg.static_cache else 0,
+        if static_cache_on(cfg, device_type) else 0,
         # update phase
         "gradients (fp32)": 4 * n_params,
         "bf16 weight casts": 2 * (n_params - V * H) if a == 2 else 0,  # autocast's copies, held until backward
@@ -2163,9 +2173,9 @@ def check_config(cfg):
         raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} must divide --group-size {cfg.group_size} or be "
                           f"a multiple of it that divides a mini-batch of "
                           f"{rows_per_mini_batch(cfg)} rows (0 = auto)")
-    if cfg.verify_workers < 0:
-        raise ConfigError(f"--verify-workers must be >= 0 (0 = one per core, 1 = this process), got "
-                          f"{cfg.verify_workers}")
+    if cfg.verify_workers < -1:
+        raise ConfigError(f"--verify-workers must be >= -1 (0 = one per core, 1 = this process, -1 = 0 with CUDA, "
+                          f"else 1), got {cfg.verify_workers}")
     if cfg.gen_batch_prompts < 0:
         raise ConfigError(f"--gen-batch-prompts must be >= 0 (0 = auto), got {cfg.gen_batch_prompts}")
     if cfg.temperature <= 0:
@@ -2227,13 +2237,19 @@ def load_value_model(cfg, path, device):
     return critic.to(device).eval()
 
 
+def set_cuda_kernels():
+    """CUDA's kernels for a run and for eval.py: TF32 for the fp32 matmuls that remain outside autocast, and SDPA
+    without math or cuDNN, all run long (PINNED_SDPA). On an H200 SDPA picked cuDNN for masked calls otherwise."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.enable_math_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def setup_model(cfg, path, device):
     """(model, rollout_model, tokenizer, sizes): the fp32 model to train, the copy generate() runs on, and the run's
     batch sizes from the memory plan, printed (its --micro-batch-size / --gen-batch-prompts where they are 0)."""
-    if device.type == "cuda":  # TF32 for the fp32 matmuls that remain outside autocast
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cuda.enable_math_sdp(False)  # SDPA: the pinned kernels only, all run long (PINNED_SDPA)
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    if device.type == "cuda":
+        set_cuda_kernels()
     # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA
     model, tokenizer = load_model(path, device, torch.float32)
     if cfg.gradient_checkpointing:

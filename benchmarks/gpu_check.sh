@@ -12,8 +12,8 @@
 # its own `timeout` and writes its JSON into OUT; a step that fails or times out is recorded and the next one runs.
 #   probe          versions, the card, SDPA's kernels on rows of padding, the allocator's settings
 #   step_default   the defaults at the default shape: time split, tokens/s, generate and update peaks vs the plan
-#   step_opt_in    the same with the opt-in levers on (--verify-workers 0 --static-cache, the decode step compiled
-#                  first): against step_default, the verifier's and generate's ratios
+#   step_dynamic   the same with the dynamic KV cache and the verifier in this process (--static-cache off
+#                  --verify-workers 1): against step_default, generate's and the verifier's ratios
 #   decode         ms a decode step at 1,024 rows, the dynamic cache and the static one (compiled), with profiles
 #   psi_levers     psi at --lr 0 with every lever on, prompts of varied length (left padding): psi_std exactly 0
 #   psi_ckpt       psi at --lr 0 with every lever on, --gradient-checkpointing
@@ -24,10 +24,9 @@
 #   forms          one mini-batch's update in each form (benchmarks/update_forms.py): each lever's own ratio
 #   step_22g       the defaults at --memory-gib 22.5 under a real allocator cap (a 24 GB card's limit)
 #   profile        torch.profiler over a smaller default step's verify, old log-probs and updates
-# --pack-groups and --full-rows (on by default with CUDA) act on the old log-probs and the updates: step_shared
-# against step_default gives their ratio phase by phase, and forms each one's own, on one card in one call. The
-# opt-in levers (--verify-workers 0, --static-cache) act on the verifier and generate: step_opt_in against
-# step_default, on one card in one call. Then OUT/summary.md (a table with a verdict per check: a missing or nonzero
+# Every lever is on by default with CUDA. --pack-groups and --full-rows act on the old log-probs and the updates:
+# step_shared against step_default gives their ratio phase by phase, and forms each one's own, on one card in one
+# call; --static-cache and --verify-workers act on generate and the verifier: step_dynamic against step_default. Then OUT/summary.md (a table with a verdict per check: a missing or nonzero
 # psi, a peak over its plan or a failed command reads FAIL) and OUT/results.json (every step's JSON in one file: a
 # GPU loan brings back at most 8 files).
 set -u
@@ -92,8 +91,9 @@ step() {
 STANDIN=$SCRATCH/standin
 STEP=(benchmarks/gpu_step.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE"
       --warmup-steps 0 --timed-steps 1)
-OPT_IN=(--verify-workers 0 --static-cache)  # with the defaults: every lever on
+LEVERS=(--verify-workers 0 --static-cache on --pack-groups on --full-rows on)  # every lever on, CPU included
 SHARED=(--pack-groups off --full-rows off)
+DYNAMIC=(--static-cache off --verify-workers 1)
 E2E=$SCRATCH/e2e
 if [ "$DEVICE" = cuda ]; then
     TINY=()
@@ -125,12 +125,12 @@ README_TRAIN=(pacs.py --model "$STANDIN" --dataset math --data-dir "$GPU_DIR/dat
 cd "$ROOT" || exit 2
 step probe 60 "$PY" benchmarks/gpu_check.py probe "$OUT/probe.json" --device "$DEVICE"
 step build 90 "$PY" benchmarks/gpu_check.py build "$STANDIN" --model-dir "$GPU_DIR/model" "${TINY[@]}"
-step step_default 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --json "$OUT/step_default.json"
-step step_opt_in 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${OPT_IN[@]}" --json "$OUT/step_opt_in.json"
+step step_default 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --json "$OUT/step_default.json"
+step step_dynamic 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${DYNAMIC[@]}" --json "$OUT/step_dynamic.json"
 step decode 150 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
     --forms "" "${DECODE[@]}" --json "$OUT/decode.json"
-step psi_levers 100 "$PY" "${STEP[@]}" "${PSI[@]}" "${OPT_IN[@]}" --json "$OUT/psi_levers.json"
-step psi_ckpt 90 "$PY" "${STEP[@]}" "${PSI[@]}" "${OPT_IN[@]}" --gradient-checkpointing --json "$OUT/psi_ckpt.json"
+step psi_levers 100 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --json "$OUT/psi_levers.json"
+step psi_ckpt 90 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --gradient-checkpointing --json "$OUT/psi_ckpt.json"
 step e2e_train 110 "$PY" "${README_TRAIN[@]}" --steps 2
 step e2e_resume 80 "$PY" "${README_TRAIN[@]}" --steps 3 --resume
 cp "$E2E/run/metrics.jsonl" "$OUT/e2e_metrics.jsonl" 2>/dev/null

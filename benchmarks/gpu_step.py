@@ -249,12 +249,12 @@ def time_generate(args, cfg, sample, rollout_model, tokenizer, problems, sizes, 
             torch.cuda.synchronize()
         t0 = time.time()
         forced(rollout_model, tokenizer, batch, cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-               batch_prompts=sizes.gen_batch_prompts, cache_tokens=pacs.cache_tokens(cfg))
+               batch_prompts=sizes.gen_batch_prompts, cache_tokens=pacs.cache_tokens(cfg, device))
         seconds = time.time() - t0
         calls.append({"seconds": seconds, "ms_per_token": 1e3 * seconds / cfg.max_new_tokens,
                       "rows": cfg.prompts_per_step * cfg.group_size})
         print(f"generate {step}: {seconds:.2f} s, {calls[-1]['ms_per_token']:.2f} ms per token at "
-              f"{calls[-1]['rows']} rows (static cache: {cfg.static_cache})", flush=True)
+              f"{calls[-1]['rows']} rows (static cache: {pacs.static_cache_on(cfg, device.type)})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**result, "generate_calls": calls}, f, indent=2)
@@ -310,7 +310,7 @@ def main():
         # max_memory_allocated never sees. Restart with every block over 64 KiB mapped and unmapped on its own.
         os.execve(sys.executable, [sys.executable, *sys.argv],
                   {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"})
-    workers = pacs.set_verify_workers(cfg.verify_workers)  # forked before the model loads, as pacs.train does
+    workers = pacs.set_verify_workers(pacs.verify_processes(cfg))  # forked before the model loads, as pacs.train does
     cap = None
     if device.type == "cuda" and cfg.memory_gib > 0 and not args.no_cap:
         cap = cap_allocator(cfg.memory_gib)
@@ -359,11 +359,11 @@ def main():
               "levers": {k: getattr(cfg, k) for k in ("verify_workers", "pack_groups", "full_rows", "static_cache")},
               "verify_processes": workers,
               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
-    if cfg.static_cache:  # compile the decode step first, at the run's shapes (its first call would include it)
+    if pacs.static_cache_on(cfg, device.type):  # compile the decode step first, at the run's shapes (not timed)
         t0 = time.time()
         batch = [pacs.build_prompt(tokenizer, p["problem"]) for p in problems[:sizes.gen_batch_prompts or None]]
         sample(rollout_model, tokenizer, batch, cfg.group_size, 4, batch_prompts=sizes.gen_batch_prompts,
-               cache_tokens=pacs.cache_tokens(cfg))
+               cache_tokens=pacs.cache_tokens(cfg, device))
         result["compile_s"] = time.time() - t0
         print(f"static cache: the decode step compiled (a 4-token generate call) in {result['compile_s']:.1f} s")
     if args.generate_only:

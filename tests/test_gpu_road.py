@@ -389,9 +389,9 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     files = sorted(os.listdir(out))
     assert files == ["check.log", "decode.json", "e2e_eval.json", "e2e_metrics.jsonl", "forms.json", "probe.json",
                      "profile.json", "psi_ckpt.json", "psi_levers.json", "results.json", "step_22g.json",
-                     "step_default.json", "step_opt_in.json", "step_profiled.json", "step_shared.json",
+                     "step_default.json", "step_dynamic.json", "step_profiled.json", "step_shared.json",
                      "summary.md"]  # a call brings back results.json and the text files
-    for name in ("probe", "build", "step_default", "step_opt_in", "decode", "step_shared", "psi_levers", "forms",
+    for name in ("probe", "build", "step_default", "step_dynamic", "decode", "step_shared", "psi_levers", "forms",
                  "e2e_train", "e2e_resume", "e2e_eval", "profile", "psi_ckpt", "step_22g"):
         assert f"== {name}: exit 0" in log, name
     load = lambda name: json.loads((out / f"{name}.json").read_text())
@@ -399,19 +399,20 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     for name in ("psi_levers", "psi_ckpt"):
         r = load(name)
         assert r["psi_std_max"] == 0.0 and r["lr"] == 0.0 and r["varied_prompts"] == 60, name
-        assert r["levers"] == {"verify_workers": 0, "pack_groups": "auto", "full_rows": "auto",
-                               "static_cache": True}, name
+        assert r["levers"] == {"verify_workers": 0, "pack_groups": "on", "full_rows": "on",
+                               "static_cache": "on"}, name
         assert r["verify_processes"] == min(len(os.sched_getaffinity(0)), 16), name  # the pool ran the verifier
     assert load("psi_ckpt")["gradient_checkpointing"] and not load("psi_levers")["gradient_checkpointing"]
-    for name in ("step_default", "step_opt_in", "step_shared", "step_22g"):
+    for name in ("step_default", "step_dynamic", "step_shared", "step_22g"):
         r = load(name)
         for key in ("generate_s", "old_logprobs_s", "update_s", "generated_tokens_per_s", "generate_peak_gib",
                     "update_peak_gib", "plan_generate_gib", "plan_update_gib", "decode_ms_per_token"):
             assert r[key] > 0, (name, key)
         assert r["steps"][0]["generate_peak_bytes"] > 0 and r["steps"][0]["update_peak_bytes"] > 0
     assert load("psi_levers")["compile_s"] > 0 and "compile_s" not in load("step_default")
-    assert load("step_opt_in")["levers"]["static_cache"] and load("step_opt_in")["verify_processes"] > 0
-    assert set(load("decode")["profiles"]) == {"decode_dynamic_4x4", "decode_static_4x4"} and not load("decode")["forms"]
+    assert load("step_dynamic")["levers"]["static_cache"] == "off" and load("step_dynamic")["verify_processes"] == 1
+    assert set(load("decode")["profiles"]) == {"decode_dynamic_4x4", "decode_static_4x4"}
+    assert not load("decode")["forms"]  # --forms "": the decode profiles alone
     assert load("step_shared")["levers"]["pack_groups"] == "off" and load("forms")["forms"]["full-4"]["fwd_bwd_s"] > 0
     assert load("step_22g")["memory_gib"] == 22.5 and load("step_22g")["allocator_cap_gib"] is None  # CPU: no cap
     assert load("profile")["kernels"] and set(load("profile")["phases"]) == {"time_update", "time_old_logprobs",

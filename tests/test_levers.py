@@ -130,18 +130,24 @@ def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_mode
 
 
 def test_static_cache_length_is_one_shape_for_the_run():
-    assert pacs.cache_tokens(pacs.Config(max_prompt_tokens=512, max_new_tokens=1024, static_cache=True)) == 1536
-    assert pacs.cache_tokens(pacs.Config()) == 0  # off by default: the dynamic cache
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert pacs.cache_tokens(pacs.Config(max_prompt_tokens=512, max_new_tokens=1024), cuda) == 1536  # auto: on CUDA
+    assert pacs.cache_tokens(pacs.Config(), cpu) == 0  # auto: the dynamic cache on the CPU, as before
+    assert pacs.cache_tokens(pacs.Config(max_new_tokens=8, static_cache="on"), cpu) == 520
+    assert pacs.cache_tokens(pacs.Config(static_cache="off"), cuda) == 0
+    assert pacs.parse_args(["--static-cache"]).static_cache == "on"  # the flag alone, as before it had values
 
 
 def test_static_cache_is_priced_by_the_plan():
     from transformers import Qwen2Config
     c = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)
-    plan = lambda **k: pacs.memory_plan(pacs.Config(**k), c, 100_000, "cuda", 8, 4)
-    extra = plan(static_cache=True)["generate: static cache extras"]
-    assert plan()["generate: static cache extras"] == 0 and extra > 0
-    assert plan(static_cache=True)["peak: generate"] == plan()["peak: generate"] + extra
+    plan = lambda device="cuda", **k: pacs.memory_plan(pacs.Config(**k), c, 100_000, device, 8, 4)  # noqa: E731
+    extra = plan()["generate: static cache extras"]  # auto: on CUDA
+    assert plan(static_cache="off")["generate: static cache extras"] == 0 and extra > 0
+    assert plan()["peak: generate"] == plan(static_cache="off")["peak: generate"] + extra
+    cpu_extra = plan("cpu", static_cache="on")["generate: static cache extras"]
+    assert plan("cpu")["generate: static cache extras"] == 0 < cpu_extra  # auto: off on the CPU
 
 
 # ---- --verify-workers --------------------------------------------------------------------------------------------
@@ -205,8 +211,18 @@ def test_verifier_workers_leave_no_process_behind(tmp_path, ending):
 
 
 def test_verify_workers_flag_is_checked():
-    with pytest.raises(pacs.ConfigError, match="--verify-workers must be >= 0"):
-        pacs.check_config(pacs.Config(verify_workers=-1))
+    with pytest.raises(pacs.ConfigError, match="--verify-workers must be >= -1"):
+        pacs.check_config(pacs.Config(verify_workers=-2))
+
+
+def test_verify_workers_default_is_a_core_each_with_cuda(monkeypatch):
+    """-1, the default: a process a core with CUDA (the GPU check timed it faster), this process without."""
+    assert pacs.Config().verify_workers == -1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pacs.verify_processes(pacs.Config()) == 0 and pacs.verify_processes(pacs.Config(device="cpu")) == 1
+    assert pacs.verify_processes(pacs.Config(verify_workers=3)) == 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pacs.verify_processes(pacs.Config()) == 1 and pacs.verify_processes(pacs.Config(verify_workers=0)) == 0
 
 
 # ---- --pack-groups -----------------------------------------------------------------------------------------------
@@ -339,15 +355,25 @@ def test_eval_batch_size_comes_from_the_plan_on_cuda_and_stays_on_resume(monkeyp
     monkeypatch.setattr(pacs, "load_model_config", lambda name: c)
     monkeypatch.setattr(pacs, "count_parameters", lambda config: 494_032_768)
     sizes = {}
-    for gib in (22.5, 80):
+    for gib, static in ((22.5, False), (80, False), (80, True)):
         monkeypatch.setattr(pacs, "device_memory", lambda device_type, memory_gib=0.0: gib * pacs.GiB)
-        sizes[gib] = ev.planned_batch_size(args, torch.device("cuda"), 300, None)
-        cfg = pacs.Config(group_size=1, max_prompt_tokens=300, max_new_tokens=512, rollout_dtype="bf16")
+        args.static_cache = static  # eval.py's --static-cache, opt-in: its extras priced when on
+        sizes[gib, static] = ev.planned_batch_size(args, torch.device("cuda"), 300, None)
+        cfg = pacs.Config(group_size=1, max_prompt_tokens=300, max_new_tokens=512, rollout_dtype="bf16",
+                          static_cache="on" if static else "off")
         need = lambda rows: sum(v for k, v in pacs.memory_plan(cfg, c, 494_032_768, "cuda", 1, rows).items()
                                 if k.startswith(("KV cache of one", "generate")))
         budget = pacs.plan_budget("cuda", gib * pacs.GiB) - 2 * 494_032_768
-        assert need(sizes[gib]) <= budget < need(2 * sizes[gib])  # the most that fit, in powers of two
-    assert 64 < sizes[22.5] < sizes[80]
+        assert need(sizes[gib, static]) <= budget < need(2 * sizes[gib, static])  # the most that fit, powers of 2
+    assert 64 < sizes[22.5, False] < sizes[80, False]
+    seen, plan = [], pacs.memory_plan
+    monkeypatch.setattr(pacs, "memory_plan", lambda cfg, *a, **k: seen.append(pacs.static_cache_on(cfg, "cuda"))
+                        or plan(cfg, *a, **k))
+    for static in (False, True):
+        args.static_cache = static
+        ev.planned_batch_size(args, torch.device("cuda"), 300, None)
+        assert set(seen) == {static}, static  # the plan prices the cache eval.py runs
+        seen.clear()
 
 
 # ---- the prepared check's verdicts ---------------------------------------------------------------------------------
