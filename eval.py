@@ -295,7 +295,7 @@ def planned_batch_size(args, device, prompt_tokens, saved):
     config = pacs.load_model_config(args.model)
     n_params = pacs.count_parameters(config)
     cfg = pacs.Config(group_size=1, max_prompt_tokens=prompt_tokens, max_new_tokens=args.max_new_tokens,
-                      rollout_dtype="bf16", static_cache=args.static_cache)
+                      rollout_dtype="bf16", static_cache="on" if args.static_cache else "off")
     budget = pacs.plan_budget("cuda", pacs.device_memory("cuda")) - 2 * n_params  # the weights load after this
     fits = [1]
     for rows in (2 ** i for i in range(1, 13)):
@@ -349,6 +349,8 @@ def evaluate(args):
     total = sum(len(p) for p in data.values())
     if len(done) < total:
         device = pacs.resolve_device(args.device)
+        if device.type == "cuda":  # generate on the kernels of pacs.py's rollouts
+            pacs.set_cuda_kernels()
         model, tokenizer = pacs.load_model(args.model, device, torch.bfloat16 if device.type == "cuda" else
                                            torch.float32)
         prompt_tokens = 0  # the longest prompt, counted only where the plan or the static cache needs it

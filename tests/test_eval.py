@@ -8,6 +8,7 @@ import sys
 from fractions import Fraction
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 import eval as ev
@@ -97,6 +98,28 @@ def test_parse_ks():
 def eval_args(model, data, out, *extra):
     return ["--model", model, "--datasets", data, "--n", "2", "--k", "1,2", "--max-new-tokens", "6",
             "--temperature", "1.0", "--batch-size", "4", "--out", str(out), *extra]
+
+
+def test_eval_generates_on_the_kernels_of_the_runs_rollouts_on_cuda(tiny_model_dir, tiny_problems_file, tmp_path,
+                                                                    monkeypatch):
+    """On CUDA eval.py turns SDPA's math and cuDNN kernels off before the model loads, as pacs.py's run does (SDPA
+    picked cuDNN for masked calls on an H200, a kernel pacs.py's rollouts never run)."""
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: calls.append(("cudnn", on)))
+    monkeypatch.setattr(torch.backends.cuda, "enable_math_sdp", lambda on: calls.append(("math", on)))
+    monkeypatch.setattr(ev.pacs, "resolve_device", lambda name: torch.device("cuda"))
+
+    def load_model(*args, **kwargs):
+        calls.append("load")
+        raise SystemExit("stop before CUDA")
+    monkeypatch.setattr(ev.pacs, "load_model", load_model)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        with pytest.raises(SystemExit, match="stop before CUDA"):
+            ev.main(eval_args(tiny_model_dir, tiny_problems_file, tmp_path / "run"))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    assert calls == [("math", False), ("cudnn", False), "load"]
 
 
 def read_rows(path):
