@@ -289,7 +289,8 @@ def summary_rows(out):
     for name, what in (("step_default", "default step, the defaults"),
                        ("step_dynamic", "default step, --static-cache off --verify-workers 1"),
                        ("step_shared", "default step, one group per micro-batch, shared prompt"),
-                       ("step_22g", "--memory-gib 22.5, the defaults")):
+                       ("step_22g", "--memory-gib 22.5, the defaults"),
+                       ("step_22g_ckpt", "--memory-gib 22.5, --gradient-checkpointing")):
         r = steps[name] = load(name)
         if r is None:
             rows.append((what, "FAIL: " + missing[name]))
@@ -315,6 +316,11 @@ def summary_rows(out):
         rows.append(("--pack-groups, --full-rows: speed-up (same card, same call)",
                      f"step {ratio('step_s')} | generate {ratio('generate_s')} | verify {ratio('verify_s')} | old "
                      f"log-probs {ratio('old_logprobs_s')} | updates {ratio('update_s')}"))
+    small, small_ckpt = steps.get("step_22g"), steps.get("step_22g_ckpt")
+    if small and small_ckpt and "error" not in small and "error" not in small_ckpt:
+        ratio = lambda k: f"x{small[k] / small_ckpt[k]:.2f}" if small_ckpt[k] else "-"
+        rows.append(("--memory-gib 22.5: --gradient-checkpointing's speed-up (same card, same call)",
+                     f"step {ratio('step_s')} | old log-probs {ratio('old_logprobs_s')} | updates {ratio('update_s')}"))
     dynamic = steps.get("step_dynamic")
     if levers and dynamic and "error" not in levers and "error" not in dynamic:
         ratio = lambda k: f"x{dynamic[k] / levers[k]:.2f}" if levers[k] else "-"

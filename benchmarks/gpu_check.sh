@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check of pacs.py, for a short loan of a GPU machine (docs/gpu.md: how to prepare and run it).
 #
-#   bash benchmarks/gpu_check.sh OUT                 # on the GPU machine: about 17 minutes on an H200 in all
+#   bash benchmarks/gpu_check.sh OUT                 # on the GPU machine: about 19 minutes on an H200 in all
 #   GPU_CHECK_STEPS="e2e_train e2e_resume e2e_eval" bash benchmarks/gpu_check.sh OUT   # those steps only
 #   bash benchmarks/gpu_check.sh OUT --device cpu    # the rehearsal on a CPU: the same steps at a tiny shape
 # GPU_CHECK_BUDGET: seconds for all steps (a step that would start with under 20 s left is skipped, and said).
@@ -23,6 +23,7 @@
 #                  --full-rows off)
 #   forms          one mini-batch's update in each form (benchmarks/update_forms.py): each lever's own ratio
 #   step_22g       the defaults at --memory-gib 22.5 under a real allocator cap (a 24 GB card's limit)
+#   step_22g_ckpt  the same with --gradient-checkpointing, where the plan takes 16 rows of full rows, not 2
 #   profile        torch.profiler over a smaller default step's verify, old log-probs and updates
 # Every lever is on by default with CUDA. --pack-groups and --full-rows act on the old log-probs and the updates:
 # step_shared against step_default gives their ratio phase by phase, and forms each one's own, on one card in one
@@ -103,7 +104,7 @@ if [ "$DEVICE" = cuda ]; then
     SMALL_CARD=(--memory-gib 22.5 --prompts-per-step 64)
     TRAIN=(--prompts-per-step 16 --eval-size 32 --max-new-tokens 512)
     EVAL=(--limit 32 --n 4 --k 1,2,4 --max-new-tokens 512)
-    FORMS=(--forms shared-8,shared-32,full-8,full-32 --repeats 2)
+    FORMS=(--forms shared-8,shared-32,full-8,full-32,head-8,headc-8 --repeats 2)
     DECODE=(--decode-rows 1024)
 else  # the rehearsal: 2 small layers with the real vocabulary, a few rows and tokens
     TINY=(--tiny)
@@ -114,8 +115,8 @@ else  # the rehearsal: 2 small layers with the real vocabulary, a few rows and t
     SMALL_CARD=("${DEFAULT[@]}" --memory-gib 22.5)
     TRAIN=(--prompts-per-step 2 --group-size 2 --num-mini-batches 1 --eval-size 2 --max-new-tokens 4)
     EVAL=(--limit 2 --n 2 --k 1,2 --max-new-tokens 4)
-    FORMS=(--tiny --forms shared-2,shared-4,full-2,full-4 --repeats 1 --rows 4 --group-size 2 --max-prompt-tokens 64
-           --max-new-tokens 4)
+    FORMS=(--tiny --forms shared-2,shared-4,full-2,full-4,head-4,headc-4 --repeats 1 --rows 4 --group-size 2
+           --max-prompt-tokens 64 --max-new-tokens 4)
     DECODE=(--tiny --decode-rows 4 --decode-tokens 4 --group-size 2 --max-prompt-tokens 64 --max-new-tokens 4)
 fi
 # the README's train command, on the stand-in and the prepared MATH text, with an eval and a checkpoint every step
@@ -141,6 +142,7 @@ step step_shared 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${SHARED[@]}" --json "$
 step forms 90 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
     "${FORMS[@]}" --decode-tokens 0 --json "$OUT/forms.json"
 step step_22g 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --json "$OUT/step_22g.json"
+step step_22g_ckpt 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --gradient-checkpointing --json "$OUT/step_22g_ckpt.json"
 step profile 70 "$PY" "${STEP[@]}" "${PROFILE[@]}" --profile "$OUT/profile.json" --json "$OUT/step_profiled.json"
 echo "== total ${SECONDS} s" | tee -a "$LOG"
 "$PY" benchmarks/gpu_check.py summary "$OUT"

@@ -10,6 +10,7 @@ backward (phase 4) or forward under no_grad (phase 3), in bf16 autocast as pacs.
     full-8        each row run whole, no shared prompt, no mask where no row is left-padded (--full-rows)
     body-8        the decoder stack alone (shared-8 without the LM head and log-softmax)
     head-8        the LM head and fp32 log-softmax alone, on 8 x 1024 hidden states
+    headc-8       the same with pacs.token_logprobs under torch.compile (fewer passes over the vocabulary?)
     compiled-*    the same with the decoder under torch.compile (its compile time printed apart)
 
 Each form: one untimed call, then --repeats timed calls; ms per mini-batch and TFLOP/s by gpu_step.update_flops.
@@ -62,10 +63,13 @@ def fake_rollout(tokenizer, rows, group_size, prompt_tokens, response_tokens, da
     return {k: v.to(device) for k, v in roll.items()}
 
 
+COMPILED = {}  # the compiled token_logprobs of headc-* (compiled once, on its first call)
+
+
 def run_form(cfg, model, roll, micro, grad, part, device):
     """One mini-batch (all of roll's rows) in micro-batches of `micro` rows: the log-probs' sum backpropagated
-    (grad) or a no-grad forward. part: 'all' (pacs.step_logprobs), 'body' (the decoder only) or 'head' (the LM
-    head and log-softmax only, on random hidden states)."""
+    (grad) or a no-grad forward. part: 'all' (pacs.step_logprobs), 'body' (the decoder only), 'head' (the LM
+    head and log-softmax only, on random hidden states) or 'headc' (the same, pacs.token_logprobs compiled)."""
     autocast = pacs.autocast_context(cfg, device)
     rows = roll["response_ids"].shape[0]
     for sl in pacs.micro_slices(slice(0, rows), micro):
@@ -80,11 +84,14 @@ def run_form(cfg, model, roll, micro, grad, part, device):
                 hidden = torch.randn(n, model.config.hidden_size, device=device, requires_grad=grad)
                 targets = roll["response_ids"][sl].flatten()
                 lm_head, out = model.get_output_embeddings(), 0.0
+                logprobs = pacs.token_logprobs
+                if part == "headc":
+                    logprobs = COMPILED.setdefault("head", torch.compile(pacs.token_logprobs))
                 for s in range(0, n, pacs.LOGITS_CHUNK):
-                    lp, _ = pacs.checkpoint(pacs.token_logprobs, lm_head, hidden[s:s + pacs.LOGITS_CHUNK],
+                    lp, _ = pacs.checkpoint(logprobs, lm_head, hidden[s:s + pacs.LOGITS_CHUNK],
                                             targets[s:s + pacs.LOGITS_CHUNK], 1.0, False, use_reentrant=False) \
-                        if grad else pacs.token_logprobs(lm_head, hidden[s:s + pacs.LOGITS_CHUNK],
-                                                         targets[s:s + pacs.LOGITS_CHUNK], 1.0)
+                        if grad else logprobs(lm_head, hidden[s:s + pacs.LOGITS_CHUNK],
+                                              targets[s:s + pacs.LOGITS_CHUNK], 1.0)
                     out = out + lp.sum()
         if grad:
             out.backward()
@@ -186,8 +193,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--forms", default="shared-8,shared-32,full-8,body-8,head-8,compiled-full-8",
-                    help="comma-separated: {shared,full,body,head,compiled-shared,compiled-full}-ROWS; none: the "
-                    "decode profiles alone")
+                    help="comma-separated: {shared,full,body,head,headc,compiled-shared,compiled-full}-ROWS; "
+                    "none: the decode profiles alone")
     ap.add_argument("--decode-rows", default="1024,128", help="comma-separated row counts of the decode profiles")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-static", type=int, default=1, help="also profile decode with the static cache (1)")
@@ -232,7 +239,7 @@ def main():
             continue
         kind, micro = form.rsplit("-", 1)
         micro = int(micro)
-        part = {"body": "body", "head": "head"}.get(kind, "all")
+        part = {"body": "body", "head": "head", "headc": "headc"}.get(kind, "all")
         route = pacs.Config(**{**vars(cfg), "full_rows": "on" if kind.endswith("full") else "off"})
         entry = {}
         try:

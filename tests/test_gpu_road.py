@@ -389,10 +389,10 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     files = sorted(os.listdir(out))
     assert files == ["check.log", "decode.json", "e2e_eval.json", "e2e_metrics.jsonl", "forms.json", "probe.json",
                      "profile.json", "psi_ckpt.json", "psi_levers.json", "results.json", "step_22g.json",
-                     "step_default.json", "step_dynamic.json", "step_profiled.json", "step_shared.json",
-                     "summary.md"]  # a call brings back results.json and the text files
+                     "step_22g_ckpt.json", "step_default.json", "step_dynamic.json", "step_profiled.json",
+                     "step_shared.json", "summary.md"]  # a call brings back results.json and the text files
     for name in ("probe", "build", "step_default", "step_dynamic", "decode", "step_shared", "psi_levers", "forms",
-                 "e2e_train", "e2e_resume", "e2e_eval", "profile", "psi_ckpt", "step_22g"):
+                 "e2e_train", "e2e_resume", "e2e_eval", "profile", "psi_ckpt", "step_22g", "step_22g_ckpt"):
         assert f"== {name}: exit 0" in log, name
     load = lambda name: json.loads((out / f"{name}.json").read_text())
     assert load("probe")["missing_apis"] == [] and load("probe")["sdpa"]["MATH"]["padding_rows_finite"]
@@ -403,7 +403,7 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
                                "static_cache": "on"}, name
         assert r["verify_processes"] == min(len(os.sched_getaffinity(0)), 16), name  # the pool ran the verifier
     assert load("psi_ckpt")["gradient_checkpointing"] and not load("psi_levers")["gradient_checkpointing"]
-    for name in ("step_default", "step_dynamic", "step_shared", "step_22g"):
+    for name in ("step_default", "step_dynamic", "step_shared", "step_22g", "step_22g_ckpt"):
         r = load(name)
         for key in ("generate_s", "old_logprobs_s", "update_s", "generated_tokens_per_s", "generate_peak_gib",
                     "update_peak_gib", "plan_generate_gib", "plan_update_gib", "decode_ms_per_token"):
@@ -415,6 +415,7 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     assert not load("decode")["forms"]  # --forms "": the decode profiles alone
     assert load("step_shared")["levers"]["pack_groups"] == "off" and load("forms")["forms"]["full-4"]["fwd_bwd_s"] > 0
     assert load("step_22g")["memory_gib"] == 22.5 and load("step_22g")["allocator_cap_gib"] is None  # CPU: no cap
+    assert load("step_22g_ckpt")["gradient_checkpointing"] and not load("step_22g")["gradient_checkpointing"]
     assert load("profile")["kernels"] and set(load("profile")["phases"]) == {"time_update", "time_old_logprobs",
                                                                             "time_verify"}
     rows = [json.loads(line) for line in (out / "e2e_metrics.jsonl").read_text().splitlines()]
