@@ -320,7 +320,8 @@ def summary_rows(out):
     if small and small_ckpt and "error" not in small and "error" not in small_ckpt:
         ratio = lambda k: f"x{small[k] / small_ckpt[k]:.2f}" if small_ckpt[k] else "-"
         rows.append(("--memory-gib 22.5: --gradient-checkpointing's speed-up (same card, same call)",
-                     f"step {ratio('step_s')} | old log-probs {ratio('old_logprobs_s')} | updates {ratio('update_s')}"))
+                     f"step {ratio('step_s')} | old log-probs {ratio('old_logprobs_s')} | updates "
+                     f"{ratio('update_s')}"))
     dynamic = steps.get("step_dynamic")
     if levers and dynamic and "error" not in levers and "error" not in dynamic:
         ratio = lambda k: f"x{dynamic[k] / levers[k]:.2f}" if levers[k] else "-"
