@@ -136,7 +136,7 @@ class Config:
     save_minutes: float = flag(15.0, "also checkpoint when this many minutes passed since the last one "
                                "(0 = off)")
     # speed levers (docs/gpu.md: each exact, each measured by the prepared GPU check; auto: on with CUDA)
-    verify_workers: int = flag(-1, "processes verifying answers (0: a core each; 1: this; -1: 0 with CUDA)")
+    verify_workers: int = flag(-1, "verifier processes (0: a core each; 1: in-process; -1: 0 with CUDA)")
     pack_groups: Literal["auto", "on", "off"] = flag("auto", "micro-batches of several whole groups where "
                                                      "the plan fits them", nargs="?", const="on")
     full_rows: Literal["auto", "on", "off"] = flag("auto", "log-prob forwards of each row whole (auto: "
