@@ -186,6 +186,9 @@ def test_verifier_workers_leave_no_process_behind(tmp_path, ending):
         import json, os, signal, sys, threading
         sys.path.insert(0, {ROOT!r})
         import pacs
+        # Python's own Ctrl-C handler, as in a terminal, also where this test runs in the background (a shell starts
+        # a background job with SIGINT ignored, and the child would inherit that)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         pacs.set_verify_workers(2)
         pool = pacs.VERIFIER["pool"]
         pids = [p.pid for p in pool._pool]
