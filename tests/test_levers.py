@@ -106,7 +106,7 @@ def test_static_cache_decodes_with_folded_heads(digit_model, monkeypatch):
 
 @pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
-def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_model, monkeypatch):
+def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_model, monkeypatch, tmp_path):
     """The CUDA road's decode step, compiled, on the CPU (transformers compiles it on CUDA only, unless told to):
     the folded heads give the dynamic cache's tokens for the same seed."""
     from transformers import CompileConfig
@@ -115,6 +115,11 @@ def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_mode
     torch.manual_seed(0)
     dynamic = pacs.sample(model, tok, prompts, 4, 12, 1.5)
     compile_config = CompileConfig(mode="default")  # no CUDA graphs on the CPU
+    # kernels of its own: inductor's shared cache may hold kernels built under another ATEN_CPU_CAPABILITY (a crash)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":  # inductor's vector code does not build there (torch 2.13)
+        import torch._inductor.config as inductor_config
+        monkeypatch.setattr(inductor_config.cpp, "simdlen", 1)  # scalar code
     compile_config._compile_all_devices = True
     config = pacs.rollout_generation_config
 
