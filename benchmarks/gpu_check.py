@@ -310,24 +310,24 @@ def summary_rows(out):
                        f"x{r['generate_over_plan']:.3f}), update {r['update_peak_gib']:.2f} GiB (plan "
                        f"{r['plan_update_gib']:.2f}, x{r['update_over_plan']:.3f}); micro-batch "
                        f"{r['micro_batch_size']} rows, {r['gen_batch_prompts']} prompts per generate call"))
-    levers, base = steps.get("step_default"), steps.get("step_shared")
-    if base and levers and "error" not in base and "error" not in levers:
-        ratio = lambda k: f"x{base[k] / levers[k]:.2f}" if levers[k] else "-"
-        rows.append(("--pack-groups, --full-rows: speed-up (same card, same call)",
-                     f"step {ratio('step_s')} | generate {ratio('generate_s')} | verify {ratio('verify_s')} | old "
-                     f"log-probs {ratio('old_logprobs_s')} | updates {ratio('update_s')}"))
-    small, small_ckpt = steps.get("step_22g"), steps.get("step_22g_ckpt")
-    if small and small_ckpt and "error" not in small and "error" not in small_ckpt:
-        ratio = lambda k: f"x{small[k] / small_ckpt[k]:.2f}" if small_ckpt[k] else "-"
-        rows.append(("--memory-gib 22.5: --gradient-checkpointing's speed-up (same card, same call)",
-                     f"step {ratio('step_s')} | old log-probs {ratio('old_logprobs_s')} | updates "
-                     f"{ratio('update_s')}"))
-    dynamic = steps.get("step_dynamic")
-    if levers and dynamic and "error" not in levers and "error" not in dynamic:
-        ratio = lambda k: f"x{dynamic[k] / levers[k]:.2f}" if levers[k] else "-"
+    phases = {"step": "step_s", "generate": "generate_s", "verify": "verify_s", "old log-probs": "old_logprobs_s",
+              "updates": "update_s"}
+
+    def speed_up(slow, fast, *names):  # slow's time over fast's for each phase named, where both steps ran
+        slow, fast = steps.get(slow), steps.get(fast)
+        if slow and fast and "error" not in slow and "error" not in fast:
+            return " | ".join(f"{name} x{slow[phases[name]] / fast[phases[name]]:.2f}" if fast[phases[name]]
+                              else f"{name} -" for name in names)
+    ratios = speed_up("step_shared", "step_default", *phases)
+    if ratios:
+        rows.append(("--pack-groups, --full-rows: speed-up (same card, same call)", ratios))
+    ratios = speed_up("step_22g", "step_22g_ckpt", "step", "old log-probs", "updates")
+    if ratios:
+        rows.append(("--memory-gib 22.5: --gradient-checkpointing's speed-up (same card, same call)", ratios))
+    ratios = speed_up("step_dynamic", "step_default", "step", "generate", "verify")
+    if ratios:
         rows.append(("--static-cache, --verify-workers: speed-up (same card, same call)",
-                     f"step {ratio('step_s')} | generate {ratio('generate_s')} | verify {ratio('verify_s')} "
-                     f"({levers.get('verify_processes')} processes)"))
+                     f"{ratios} ({steps['step_default'].get('verify_processes')} processes)"))
     decode = load("decode")
     if decode and "error" not in decode:
         runs = decode.get("profiles", {})
