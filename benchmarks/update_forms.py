@@ -84,9 +84,9 @@ def run_form(cfg, model, roll, micro, grad, part, device):
                 hidden = torch.randn(n, model.config.hidden_size, device=device, requires_grad=grad)
                 targets = roll["response_ids"][sl].flatten()
                 lm_head, out = model.get_output_embeddings(), 0.0
-                logprobs = pacs.token_logprobs
-                if part == "headc":
-                    logprobs = COMPILED.setdefault("head", torch.compile(pacs.token_logprobs))
+                if part == "headc" and "head" not in COMPILED:
+                    COMPILED["head"] = torch.compile(pacs.token_logprobs)
+                logprobs = COMPILED["head"] if part == "headc" else pacs.token_logprobs
                 for s in range(0, n, pacs.LOGITS_CHUNK):
                     lp, _ = pacs.checkpoint(logprobs, lm_head, hidden[s:s + pacs.LOGITS_CHUNK],
                                             targets[s:s + pacs.LOGITS_CHUNK], 1.0, False, use_reentrant=False) \
