@@ -98,8 +98,7 @@ class Config:
     group_size: int = flag(8, "G: responses sampled per prompt")
     prompts_per_step: int = flag(128, "P: prompts per rollout batch (official: 1024 on 64 GPUs)")
     num_mini_batches: int = flag(4, "M: optimizer steps per rollout batch (official: 1024 / 256 = 4)")
-    micro_batch_size: int = flag(0, "rows per forward/backward (a divisor or multiple of G); "
-                                 "0 = the memory plan's")
+    micro_batch_size: int = flag(0, "rows per forward/backward (a divisor or multiple of G); 0 = the plan's")
     gen_batch_prompts: int = flag(0, "prompts per generate() call (each expands to G rows); "
                                   "0 = the memory plan's")
     max_prompt_tokens: int = flag(512, "longer prompts are dropped, and counted (official: 512; v2: 1024)")
@@ -141,8 +140,9 @@ class Config:
                                                      "the plan fits them", nargs="?", const="on")
     full_rows: Literal["auto", "on", "off"] = flag("auto", "log-prob forwards of each row whole (auto: "
                                                    "where the plan fits whole groups)", nargs="?", const="on")
-    static_cache: Literal["auto", "on", "off"] = flag("auto", "generate into a fixed-size KV cache, its "
-                                                      "decode step compiled", nargs="?", const="on")
+    static_cache: Literal["auto", "on", "off", "flex"] = flag("auto", "generate into a fixed-size KV cache, "
+                                                              "its decode step compiled (flex: attending "
+                                                              "to its filled blocks only)", nargs="?", const="on")
 
     def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
         loss_agg, max_grad_norm = OFFICIAL_PER_ALGO.get(self.algo, (None, 0.0))
@@ -437,16 +437,17 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
                   batch_prompts=sizes.gen_batch_prompts, sizes=sizes, cache_tokens=cache_tokens(cfg, device))
     roll = {k: v.to(device) for k, v in roll.items()}
     t_gen = time.time()
-    # ---- 2. verify: R in {0, 1} per response (ten lines: 2) ---------------------------------------------
+    # ---- 2. verify: R in {0, 1} per response (ten lines: 2); a pool of verifier processes works beside 3 ----
     texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
-    rewards = reward_fn(texts, [p["answer"] for p in batch for _ in range(G)]).to(device)  # (B,)
+    verdicts = verify_beside(texts, [p["answer"] for p in batch for _ in range(G)])  # rewards = verdicts()
     mask = roll["response_mask"].float()  # (B, T)
-    B, rows = len(rewards), rows_per_mini_batch(cfg)
+    B, rows = len(texts), rows_per_mini_batch(cfg)
     t_verify = time.time()
     # ---- 3. the reference of r_hat (ten lines: 3): pi_old's log-probs, or the frozen pi_ref's -----------
     reference, entropy_sum = retry_smaller(cfg, sizes, f"step {step}: old log-probs", None, reference_logprobs, cfg,
                                            model, ref_model, roll, sizes, device)  # (B, T), ()
-    lp_rows = sizes.micro_batch_size  # the rows of phase 3's forwards: phase 4's log-probs take the same route
+    lp_rows, t_ref = sizes.micro_batch_size, time.time()  # phase 3's rows per forward: phase 4 takes its route
+    rewards, t_rewards = verdicts().to(device), time.time()  # (B,)
     ppo = value_model_targets(cfg, critic, roll, rewards, sizes, device, step) if critic is not None else None
     t_old = time.time()
     # ---- 4. M updates: an AdamW step per mini-batch of whole groups (ten lines: 3-7, 9-10) --------------
@@ -483,9 +484,9 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     if ppo is not None:
         metrics.update(value_model_metrics(ppo["values"], ppo["returns"], mask, rewards, G, later, critic_out))
     metrics.update({**dataclasses.asdict(sizes),
-                    "time_generate": t_gen - t0, "time_verify": t_verify - t_gen,
-                    "time_old_logprobs": t_old - t_verify, "time_update": t_end - t_old, "step_time": t_end - t0,
-                    "samples_per_s": B / (t_end - t0)})
+                    "time_generate": t_gen - t0, "time_verify": t_verify - t_gen + t_rewards - t_ref,  # waited
+                    "time_old_logprobs": t_old - t_verify - (t_rewards - t_ref), "time_update": t_end - t_old,
+                    "step_time": t_end - t0, "samples_per_s": B / (t_end - t0)})
     examples = [{"problem": batch[i // G]["problem"], "answer": batch[i // G]["answer"], "response": texts[i],
                  "reward": rewards[i].item()} for i in range(0, B, max(1, B // 4))][:4]
     return metrics, examples
@@ -605,9 +606,8 @@ def train(cfg):
     problems, eval_problems = training_problems(cfg, tokenizer)  # prompts that fit; the held-out set
     optimizer = make_optimizer(cfg, model)
     critic, critic_optimizer = value_model_and_optimizer(cfg, resume_from, device)  # PPO's; else None, None
-    ref_model = None  # PACS's frozen pi_ref: an fp32 copy, so its log-probs take pi_old's route
-    if cfg.ref_reset_every != 1:
-        ref_model = copy.deepcopy(model).requires_grad_(False).eval()
+    # PACS's frozen pi_ref: an fp32 copy, so its log-probs take pi_old's route (None: pi_ref = pi_old, always)
+    ref_model = copy.deepcopy(model).requires_grad_(False).eval() if cfg.ref_reset_every != 1 else None
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     start, sizes = restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, sizes, metrics_path)
     trackers = Trackers(report_targets(cfg.report_to), cfg.out_dir, dataclasses.asdict(cfg), start,
@@ -711,6 +711,33 @@ def reward_fn(responses, answers):
         return torch.tensor([float(verify(r, a)) for r, a in zip(responses, answers)])
     chunk = -(-len(responses) // (4 * VERIFIER["workers"]))  # four chunks a worker: balanced, few round trips
     return torch.tensor([float(v) for v in pool.starmap(verify, zip(responses, answers), chunksize=chunk)])
+
+
+def verify_beside(responses, answers):
+    """reward_fn(responses, answers), handed back by a call: verdicts = verify_beside(...); rewards = verdicts().
+    Over the verifier's processes (set_verify_workers) it runs in a thread that waits on them while the caller goes
+    on (train_step's phase 3 needs no rewards), so the step waits only for what phase 3 did not hide; in this
+    process it runs now, before the caller goes on. The same verdicts either way: verify is a pure function."""
+    if VERIFIER["pool"] is None or len(responses) < VERIFIER["min_answers"]:
+        rewards = reward_fn(responses, answers)
+        return lambda: rewards
+    box = {}
+
+    def work():  # a daemon thread: a Ctrl-C or an error in the caller never waits for it
+        try:
+            box["rewards"] = reward_fn(responses, answers)
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller by verdicts())
+            box["error"] = e
+
+    thread = threading.Thread(target=work, name="pacs-verify", daemon=True)
+    thread.start()
+
+    def verdicts():
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["rewards"]
+    return verdicts
 
 
 VERIFIER = {"pool": None, "workers": 1, "min_answers": 64}  # the run's verifier processes (set_verify_workers)
@@ -1305,6 +1332,8 @@ def static_cache(model, prefix, group_size, max_len):
     """--static-cache: a StaticCache of max_len tokens, holding the prompts' prefix cache (a DynamicCache of one row
     per prompt, or None) repeated for each prompt's group_size rows; generate() fills the rest in place."""
     from transformers import StaticCache
+    if DECODE["attention"] == "flex":  # whole blocks for flex_decode_attention (<= 127 positions over the plan's)
+        max_len = -(-max_len // FLEX_BLOCK) * FLEX_BLOCK
     cache = StaticCache(config=model.config, max_cache_len=max_len)
     if prefix is not None:
         for src, dst in zip(prefix.layers, cache.layers):  # one layer's repeat at a time: no second full copy
@@ -1331,9 +1360,36 @@ def folded_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
                                       **kwargs)
     b, h, _, d = query.shape  # query (B, H, 1, D); key, value (B, Hkv, S, D); attention_mask (B, 1, 1, S) or None
     folded = query.reshape(b, h // groups, groups, d)  # (B, Hkv, g, D): head i is query i % g of K/V head i // g
-    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                         scale=scaling)  # (B, Hkv, g, D)
+    if DECODE["attention"] == "flex" and getattr(attention_mask, "dtype", None) == torch.bool and \
+            key.shape[2] % FLEX_BLOCK == 0:
+        out = flex_decode_attention(folded, key, value, attention_mask, scaling)  # --static-cache flex
+    else:
+        out = F.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                             scale=scaling)  # (B, Hkv, g, D)
     return out.reshape(b, 1, h, d), None  # (B, 1, H, D), as transformers' attention functions return it
+
+
+DECODE = {"attention": "sdpa"}  # folded_gqa_attention's kernel: "flex" under --static-cache flex (setup_model)
+FLEX_BLOCK = 128  # positions per block of flex_decode_attention's block mask
+
+
+def flex_decode_attention(query, key, value, mask, scale=None):
+    """SDPA(query, key, value, attn_mask=mask) for a few queries that share their keys (a decode step's folded
+    heads), by flex_attention over the blocks of FLEX_BLOCK positions that hold a key to attend, the others never
+    read: a static cache's unfilled tail costs nothing. The block list is built from the mask on the device, with no
+    host sync, so a compiled decode step (CUDA graphs) keeps one shape; the kernel reads its length at run time.
+    query (B, Hkv, q, D); key, value (B, Hkv, S, D); mask (B, 1, 1, S) bool, True: attend. Returns (B, Hkv, q, D)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    b, S = mask.shape[0], mask.shape[-1]
+    n = -(-S // FLEX_BLOCK)
+    keys = F.pad(mask.reshape(b, S), (0, n * FLEX_BLOCK - S))  # (B, n * FLEX_BLOCK)
+    live = keys.view(b, n, FLEX_BLOCK).any(-1)  # (B, n): a block with a key to attend
+    kv_num_blocks = live.sum(-1, dtype=torch.int32).view(b, 1, 1)  # (B, 1, 1): one head row, one query block
+    kv_indices = torch.argsort((~live).to(torch.int8), dim=-1, stable=True).to(torch.int32).view(b, 1, 1, n)
+    block_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=FLEX_BLOCK,
+                                          mask_mod=lambda bi, hi, qi, ki: keys[bi, ki],
+                                          seq_lengths=(query.shape[2], S))
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale)
 
 
 def generate_folded(model, generation_config, **inputs):
@@ -1413,7 +1469,7 @@ def eval_batch_prompts(cfg, sizes, device):
 
 def static_cache_on(cfg, device_type):
     """Whether generate runs on a static KV cache (--static-cache; auto: on CUDA, where its decode step compiles)."""
-    return cfg.static_cache == "on" or (cfg.static_cache == "auto" and device_type == "cuda")
+    return cfg.static_cache in ("on", "flex") or (cfg.static_cache == "auto" and device_type == "cuda")
 
 
 def cache_tokens(cfg, device):
@@ -2250,6 +2306,7 @@ def setup_model(cfg, path, device):
     batch sizes from the memory plan, printed (its --micro-batch-size / --gen-batch-prompts where they are 0)."""
     if device.type == "cuda":
         set_cuda_kernels()
+    DECODE["attention"] = "flex" if cfg.static_cache == "flex" else "sdpa"  # the static cache's decode attention
     # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA
     model, tokenizer = load_model(path, device, torch.float32)
     if cfg.gradient_checkpointing:

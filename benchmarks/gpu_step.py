@@ -196,7 +196,8 @@ def profile_table(prof, metrics, device, top=25):
     """{kernels: the `top` kernels (CUDA) or ops (CPU) by self time: name, calls, ms, share of all; phases: each
     profiled phase's wall seconds and the seconds the device ran kernels in it (a low share: launch- or host-bound)},
     from a profiler stopped after the step. The phases' windows follow train_step's own timings, counted back from
-    the profiled window's end."""
+    the profiled window's end (with verifier processes, the step's wait for their verdicts comes after phase 3 but
+    is counted in time_verify: phase 3's window then starts that much early)."""
     cuda = device.type == "cuda"
     kernels, total = top_kernels(prof, cuda, top)
     events = [e for e in prof.events() if (e.device_type.name == "CUDA") == cuda and e.time_range.elapsed_us() > 0]

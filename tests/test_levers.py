@@ -82,6 +82,90 @@ def test_folded_attention_is_sdpa_over_every_head():
                        sdpa_attention_forward(module, q4, k, v, mask4, scaling=0.3)[0])
 
 
+def flex_case():
+    """q (B, 2, 7, 16), k, v (B, 2, S, 16), a mask (B, 1, 1, S) with left padding that empties a row's first block,
+    caches filled to 1, 2 and 3 of their 3 blocks; and which blocks hold no key to attend (B, 3)."""
+    torch.manual_seed(0)
+    b, S = 3, 3 * pacs.FLEX_BLOCK
+    q, k, v = torch.randn(b, 2, 7, 16), torch.randn(b, 2, S, 16), torch.randn(b, 2, S, 16)
+    positions = torch.arange(S)
+    start, end = torch.tensor([0, 130, 5]), torch.tensor([100, S, 2 * pacs.FLEX_BLOCK + 1])
+    mask = ((positions >= start[:, None]) & (positions < end[:, None]))[:, None, None, :]  # (B, 1, 1, S)
+    empty = ~mask.view(b, 3, pacs.FLEX_BLOCK).any(-1)  # (B, 3)
+    assert empty.tolist() == [[False, True, True], [True, False, False], [False, False, False]]
+    return q, k, v, mask, empty
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")  # eager, on purpose
+def test_flex_decode_attention_is_sdpa_under_the_mask():
+    """--static-cache flex: the folded heads under flex_attention give SDPA's output under the same mask (fp32), also
+    through folded_gqa_attention with the decode step's (B, H, 1, D) queries."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+    q, k, v, mask, _ = flex_case()
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(pacs.flex_decode_attention(q, k, v, mask, 0.3), ref, rtol=1e-5, atol=1e-5)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 7, True
+    query = q.reshape(3, 14, 1, 16)
+    sdpa = F.scaled_dot_product_attention(query, repeat_kv(k, 7), repeat_kv(v, 7), attn_mask=mask, scale=0.3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(pacs.DECODE, "attention", "flex")
+        out, _ = pacs.folded_gqa_attention(module, query, k, v, mask, scaling=0.3)
+    torch.testing.assert_close(out, sdpa.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def cpu_inductor(monkeypatch, tmp_path):
+    """inductor on this CPU: kernels of the test's own (the shared cache may hold kernels built under another
+    ATEN_CPU_CAPABILITY: a crash), scalar code under ATEN_CPU_CAPABILITY=default (its vector code does not build
+    there, torch 2.13)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+        import torch._inductor.config as inductor_config
+        monkeypatch.setattr(inductor_config.cpp, "simdlen", 1)
+
+
+@pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
+def test_compiled_flex_decode_attention_never_reads_an_empty_block(monkeypatch, tmp_path):
+    """Compiled, as the decode step runs it: SDPA's output, and a block with no key to attend is never read (NaN
+    there leaves the output finite, where SDPA's masked read of it gives NaN)."""
+    cpu_inductor(monkeypatch, tmp_path)
+    q, k, v, mask, empty = flex_case()
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    poisoned = [t.clone() for t in (k, v)]
+    for t in poisoned:  # (B, 2, 3 blocks, FLEX_BLOCK, 16)
+        t.view(3, 2, 3, pacs.FLEX_BLOCK, 16)[empty[:, None, :, None, None].expand(3, 2, 3, pacs.FLEX_BLOCK, 16)] = \
+            float("nan")
+    torch.testing.assert_close(torch.compile(pacs.flex_decode_attention)(q, *poisoned, mask, 0.3), ref,
+                               rtol=1e-5, atol=1e-5)
+    assert F.scaled_dot_product_attention(q, *poisoned, attn_mask=mask, scale=0.3).isnan().any()
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
+def test_flex_static_cache_samples_what_the_dynamic_cache_samples(digit_model, monkeypatch):
+    """--static-cache flex: the same tokens as the dynamic cache for a seed, its cache rounded up to whole blocks
+    (80 positions asked: one block of 128), and setup_model picks the kernel from the flag."""
+    model, tok = pacs.load_model(digit_model)
+    prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 + 40 = ?")]
+    torch.manual_seed(0)
+    dynamic = pacs.sample(model, tok, prompts, 4, 12, 1.5)
+    lengths, flex, static_cache = [], pacs.flex_decode_attention, pacs.static_cache
+    monkeypatch.setattr(pacs, "flex_decode_attention", lambda q, k, *a: lengths.append(k.shape[2]) or flex(q, k, *a))
+    monkeypatch.setattr(pacs, "static_cache", lambda *a: static_cache(*a))
+    monkeypatch.setitem(pacs.DECODE, "attention", "flex")
+    torch.manual_seed(0)
+    blocks = pacs.sample(model, tok, prompts, 4, 12, 1.5, cache_tokens=80)
+    for key in dynamic:
+        assert torch.equal(dynamic[key], blocks[key]), key
+    assert lengths and set(lengths) == {pacs.FLEX_BLOCK}
+    cfg = pacs.parse_args(["--static-cache", "flex", "--device", "cpu"])
+    assert pacs.static_cache_on(cfg, "cpu") and pacs.cache_tokens(cfg, torch.device("cpu")) == 1536
+    pacs.setup_model(cfg, digit_model, torch.device("cpu"))
+    assert pacs.DECODE["attention"] == "flex"
+    pacs.setup_model(pacs.parse_args(["--device", "cpu"]), digit_model, torch.device("cpu"))
+    assert pacs.DECODE["attention"] == "sdpa"
+
+
 def test_static_cache_decodes_with_folded_heads(digit_model, monkeypatch):
     """--static-cache's generate runs folded_gqa_attention: every decode step's attention on the K/V heads (2 here,
     2 query heads each), none on K/V copied for each of the 4 query heads. The model is back on SDPA afterwards,
@@ -106,20 +190,21 @@ def test_static_cache_decodes_with_folded_heads(digit_model, monkeypatch):
 
 @pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
-def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_model, monkeypatch, tmp_path):
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_model, monkeypatch, tmp_path, attention):
     """The CUDA road's decode step, compiled, on the CPU (transformers compiles it on CUDA only, unless told to):
-    the folded heads give the dynamic cache's tokens for the same seed."""
+    the folded heads, under SDPA or flex_attention (--static-cache flex), give the dynamic cache's tokens for the
+    same seed."""
     from transformers import CompileConfig
+    monkeypatch.setitem(pacs.DECODE, "attention", attention)
+    torch._dynamo.reset()  # a decode step compiled earlier in this process at another cache length would make that
+    # length dynamic here, which inductor's flex_attention on the CPU does not take (a run keeps one length)
     model, tok = pacs.load_model(digit_model)
     prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 + 40 = ?")]
     torch.manual_seed(0)
     dynamic = pacs.sample(model, tok, prompts, 4, 12, 1.5)
     compile_config = CompileConfig(mode="default")  # no CUDA graphs on the CPU
-    # kernels of its own: inductor's shared cache may hold kernels built under another ATEN_CPU_CAPABILITY (a crash)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":  # inductor's vector code does not build there (torch 2.13)
-        import torch._inductor.config as inductor_config
-        monkeypatch.setattr(inductor_config.cpp, "simdlen", 1)  # scalar code
+    cpu_inductor(monkeypatch, tmp_path)
     compile_config._compile_all_devices = True
     config = pacs.rollout_generation_config
 
@@ -168,6 +253,7 @@ def test_verifier_workers_give_the_in_process_verdicts():
     try:
         assert pacs.set_verify_workers(2) == 2 and pacs.VERIFIER["pool"] is not None
         assert torch.equal(pacs.reward_fn(responses, answers), serial)
+        assert torch.equal(pacs.verify_beside(responses, answers)(), serial)  # from a thread that waits on them
     finally:
         pacs.stop_verify_workers()
     assert pacs.VERIFIER["pool"] is None and pacs.set_verify_workers(1) == 1 and pacs.VERIFIER["pool"] is None
@@ -216,6 +302,56 @@ def test_verifier_workers_leave_no_process_behind(tmp_path, ending):
     while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+
+
+def test_verifier_processes_work_beside_phase_3_and_leave_the_step_unchanged(digit_model, monkeypatch):
+    """With verifier processes, train_step's phase 3 (the old log-probs) runs while the verdicts are still on their
+    way: here the verifier waits until phase 3 has started, which a verifier run before phase 3 would wait for in
+    vain. The step equals the in-process step (rewards, loss, psi, gradient norm, weights), an error in the
+    verifier reaches the caller, and the step's phases still sum to its time."""
+    import threading
+    problems = [{"problem": f"{i} + 1 =", "answer": str(i + 1)} for i in range(8)]
+    cfg = pacs.Config(group_size=4, prompts_per_step=4, num_mini_batches=2, max_new_tokens=4, micro_batch_size=8,
+                      lr=1e-2, seed=3)
+    phase_3, waited = threading.Event(), []
+    real_reference = pacs.reference_logprobs
+
+    def reference_logprobs(*args):
+        phase_3.set()
+        return real_reference(*args)
+
+    def reward_fn(texts, answers):  # mixed groups, from the texts alone
+        if pacs.VERIFIER["pool"] is not None:
+            waited.append(phase_3.wait(10))
+        return torch.tensor([float(len(t) % 2) for t in texts])
+
+    monkeypatch.setattr(pacs, "reference_logprobs", reference_logprobs)
+    monkeypatch.setattr(pacs, "reward_fn", reward_fn)
+    runs = []
+    for pool in (None, "workers"):  # the verdicts come from reward_fn either way: a stand-in for the pool is enough
+        monkeypatch.setitem(pacs.VERIFIER, "pool", pool)
+        monkeypatch.setitem(pacs.VERIFIER, "min_answers", 1)
+        phase_3.clear()
+        model, tok = pacs.load_model(digit_model)
+        torch.manual_seed(0)
+        optimizer = pacs.make_optimizer(cfg, model)
+        metrics, _ = pacs.train_step(cfg, model, tok, optimizer, problems, 0, torch.device("cpu"))
+        runs.append((metrics, [p.detach().clone() for p in model.parameters()]))
+    assert waited == [True]  # the pool's verdicts waited for phase 3, and got it
+    (serial, weights), (beside, weights_beside) = runs
+    for key in ("reward", "mixed_groups", "loss", "psi_mean", "psi_std", "grad_norm", "entropy"):
+        assert beside[key] == serial[key], key
+    assert 0 < serial["reward"] < 1 and all(torch.equal(a, b) for a, b in zip(weights, weights_beside))
+    phases = sum(beside[k] for k in ("time_generate", "time_verify", "time_old_logprobs", "time_update"))
+    assert abs(phases - beside["step_time"]) < 1e-3 and min(beside[k] for k in pacs.PHASES[:4]) >= 0
+
+    def broken(texts, answers):
+        raise RuntimeError("a verifier worker died")
+
+    monkeypatch.setattr(pacs, "reward_fn", broken)
+    verdicts = pacs.verify_beside(["1"], ["1"])  # returns at once; the error comes with the verdicts
+    with pytest.raises(RuntimeError, match="a verifier worker died"):
+        verdicts()
 
 
 def test_verify_workers_flag_is_checked():
