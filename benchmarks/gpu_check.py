@@ -288,6 +288,7 @@ def summary_rows(out):
     steps = {}
     for name, what in (("step_default", "default step, the defaults"),
                        ("step_dynamic", "default step, --static-cache off --verify-workers 1"),
+                       ("step_flex", "default step, --static-cache flex"),
                        ("step_shared", "default step, one group per micro-batch, shared prompt"),
                        ("step_22g", "--memory-gib 22.5, the defaults"),
                        ("step_22g_ckpt", "--memory-gib 22.5, --gradient-checkpointing")):
@@ -328,6 +329,14 @@ def summary_rows(out):
     if ratios:
         rows.append(("--static-cache, --verify-workers: speed-up (same card, same call)",
                      f"{ratios} ({steps['step_default'].get('verify_processes')} processes)"))
+    ratios = speed_up("step_default", "step_flex", "step", "generate")
+    if ratios:
+        rows.append(("--static-cache flex: speed-up over the defaults (same card, same call)", ratios))
+    attn = load("attn")
+    if attn and "error" not in attn:  # one decode step's attention (x layers) and sampling, in each form
+        rows.append(("decode forms: a step's attention | sampling, ms", " | ".join(
+            f"{k} {v['ms_a_step' if 'ms_a_step' in v else 'ms']:.2f}" if "ms" in v else f"{k} FAIL"
+            for k, v in attn.get("forms", {}).items())))
     decode = load("decode")
     if decode and "error" not in decode:
         runs = decode.get("profiles", {})

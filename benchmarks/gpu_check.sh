@@ -14,7 +14,10 @@
 #   step_default   the defaults at the default shape: time split, tokens/s, generate and update peaks vs the plan
 #   step_dynamic   the same with the dynamic KV cache and the verifier in this process (--static-cache off
 #                  --verify-workers 1): against step_default, generate's and the verifier's ratios
+#   step_flex      the same with --static-cache flex (the decode attention reads the cache's filled blocks only):
+#                  against step_default, generate's ratio
 #   decode         ms a decode step at 1,024 rows, the dynamic cache and the static one (compiled), with profiles
+#   attn           one decode step's attention and sampling at 1,024 rows in each form (decode_attention.py)
 #   psi_levers     psi at --lr 0 with every lever on, prompts of varied length (left padding): psi_std exactly 0
 #   psi_ckpt       psi at --lr 0 with every lever on, --gradient-checkpointing
 #   e2e_train, e2e_resume, e2e_eval   the README's commands end to end: 2 steps with a held-out eval and a
@@ -106,6 +109,7 @@ if [ "$DEVICE" = cuda ]; then
     EVAL=(--limit 32 --n 4 --k 1,2,4 --max-new-tokens 512)
     FORMS=(--forms shared-8,shared-32,full-8,full-32,head-8,headc-8 --repeats 2)
     DECODE=(--decode-rows 1024)
+    ATTN=()
 else  # the rehearsal: 2 small layers with the real vocabulary, a few rows and tokens
     TINY=(--tiny)
     DEFAULT=(--prompts-per-step 2 --group-size 2 --num-mini-batches 1 --max-prompt-tokens 64 --max-new-tokens 4)
@@ -118,6 +122,7 @@ else  # the rehearsal: 2 small layers with the real vocabulary, a few rows and t
     FORMS=(--tiny --forms shared-2,shared-4,full-2,full-4,head-4,headc-4 --repeats 1 --rows 4 --group-size 2
            --max-prompt-tokens 64 --max-new-tokens 4)
     DECODE=(--tiny --decode-rows 4 --decode-tokens 4 --group-size 2 --max-prompt-tokens 64 --max-new-tokens 4)
+    ATTN=(--rows 8 --cache 384 --filled 200 --vocab 4096 --iters 3)
 fi
 # the README's train command, on the stand-in and the prepared MATH text, with an eval and a checkpoint every step
 README_TRAIN=(pacs.py --model "$STANDIN" --dataset math --data-dir "$GPU_DIR/data" --device "$DEVICE" "${TRAIN[@]}"
@@ -128,8 +133,10 @@ step probe 60 "$PY" benchmarks/gpu_check.py probe "$OUT/probe.json" --device "$D
 step build 90 "$PY" benchmarks/gpu_check.py build "$STANDIN" --model-dir "$GPU_DIR/model" "${TINY[@]}"
 step step_default 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --json "$OUT/step_default.json"
 step step_dynamic 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${DYNAMIC[@]}" --json "$OUT/step_dynamic.json"
+step step_flex 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --static-cache flex --json "$OUT/step_flex.json"
 step decode 150 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
     --forms "" "${DECODE[@]}" --json "$OUT/decode.json"
+step attn 90 "$PY" benchmarks/decode_attention.py --device "$DEVICE" "${ATTN[@]}" --json "$OUT/attn.json"
 step psi_levers 100 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --json "$OUT/psi_levers.json"
 step psi_ckpt 90 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --gradient-checkpointing --json "$OUT/psi_ckpt.json"
 step e2e_train 110 "$PY" "${README_TRAIN[@]}" --steps 2

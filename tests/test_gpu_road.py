@@ -387,12 +387,13 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     assert sorted(os.listdir(gpu_dir / "model")) == ["config.json", "generation_config.json", "tokenizer.json",
                                                      "tokenizer_config.json"]
     files = sorted(os.listdir(out))
-    assert files == ["check.log", "decode.json", "e2e_eval.json", "e2e_metrics.jsonl", "forms.json", "probe.json",
-                     "profile.json", "psi_ckpt.json", "psi_levers.json", "results.json", "step_22g.json",
-                     "step_22g_ckpt.json", "step_default.json", "step_dynamic.json", "step_profiled.json",
-                     "step_shared.json", "summary.md"]  # a call brings back results.json and the text files
-    for name in ("probe", "build", "step_default", "step_dynamic", "decode", "step_shared", "psi_levers", "forms",
-                 "e2e_train", "e2e_resume", "e2e_eval", "profile", "psi_ckpt", "step_22g", "step_22g_ckpt"):
+    assert files == ["attn.json", "check.log", "decode.json", "e2e_eval.json", "e2e_metrics.jsonl", "forms.json",
+                     "probe.json", "profile.json", "psi_ckpt.json", "psi_levers.json", "results.json", "step_22g.json",
+                     "step_22g_ckpt.json", "step_default.json", "step_dynamic.json", "step_flex.json",
+                     "step_profiled.json", "step_shared.json", "summary.md"]  # a call brings back results.json
+    for name in ("probe", "build", "step_default", "step_dynamic", "step_flex", "decode", "attn", "step_shared",
+                 "psi_levers", "forms", "e2e_train", "e2e_resume", "e2e_eval", "profile", "psi_ckpt", "step_22g",
+                 "step_22g_ckpt"):
         assert f"== {name}: exit 0" in log, name
     load = lambda name: json.loads((out / f"{name}.json").read_text())
     assert load("probe")["missing_apis"] == [] and load("probe")["sdpa"]["MATH"]["padding_rows_finite"]
@@ -403,7 +404,7 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
                                "static_cache": "on"}, name
         assert r["verify_processes"] == min(len(os.sched_getaffinity(0)), 16), name  # the pool ran the verifier
     assert load("psi_ckpt")["gradient_checkpointing"] and not load("psi_levers")["gradient_checkpointing"]
-    for name in ("step_default", "step_dynamic", "step_shared", "step_22g", "step_22g_ckpt"):
+    for name in ("step_default", "step_dynamic", "step_flex", "step_shared", "step_22g", "step_22g_ckpt"):
         r = load(name)
         for key in ("generate_s", "old_logprobs_s", "update_s", "generated_tokens_per_s", "generate_peak_gib",
                     "update_peak_gib", "plan_generate_gib", "plan_update_gib", "decode_ms_per_token"):
@@ -411,6 +412,11 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
         assert r["steps"][0]["generate_peak_bytes"] > 0 and r["steps"][0]["update_peak_bytes"] > 0
     assert load("psi_levers")["compile_s"] > 0 and "compile_s" not in load("step_default")
     assert load("step_dynamic")["levers"]["static_cache"] == "off" and load("step_dynamic")["verify_processes"] == 1
+    assert load("step_flex")["levers"]["static_cache"] == "flex"
+    attn = load("attn")["forms"]  # cuDNN's kernel is CUDA's only
+    assert set(attn) == {"sdpa", "sdpa-filled", "bmm", "bmm-compiled", "flex", "sample-hf", "sample-gumbel"}, attn
+    assert all(v["ms"] > 0 for v in attn.values()) and all(v["max_abs_diff"] < 1e-4 for k, v in attn.items()
+                                                            if not k.startswith("sample"))
     assert set(load("decode")["profiles"]) == {"decode_dynamic_4x4", "decode_static_4x4"}
     assert not load("decode")["forms"]  # --forms "": the decode profiles alone
     assert load("step_shared")["levers"]["pack_groups"] == "off" and load("forms")["forms"]["full-4"]["fwd_bwd_s"] > 0
