@@ -99,7 +99,9 @@ APIS = ("torch.cuda.mem_get_info", "torch.cuda.memory_reserved", "torch.cuda.set
         "transformers.modeling_outputs.BaseModelOutputWithPast.cache",
         "transformers.DynamicCache.batch_repeat_interleave",
         "transformers.PreTrainedModel.activation_checkpointing_enable",
-        "transformers.PreTrainedModel.set_attn_implementation")
+        "transformers.PreTrainedModel.set_attn_implementation",
+        "torch.nn.attention.flex_attention.flex_attention",  # --static-cache flex
+        "torch.nn.attention.flex_attention.BlockMask.from_kv_blocks")
 
 
 def missing_apis():
