@@ -99,8 +99,7 @@ class Config:
     prompts_per_step: int = flag(128, "P: prompts per rollout batch (official: 1024 on 64 GPUs)")
     num_mini_batches: int = flag(4, "M: optimizer steps per rollout batch (official: 1024 / 256 = 4)")
     micro_batch_size: int = flag(0, "rows per forward/backward (a divisor or multiple of G); 0 = the plan's")
-    gen_batch_prompts: int = flag(0, "prompts per generate() call (each expands to G rows); "
-                                  "0 = the memory plan's")
+    gen_batch_prompts: int = flag(0, "prompts per generate() call (G rows each); 0 = the memory plan's")
     max_prompt_tokens: int = flag(512, "longer prompts are dropped, and counted (official: 512; v2: 1024)")
     max_new_tokens: int = flag(1024, "response length limit (official scripts: 4096; paper v2: 8192)")
     temperature: float = flag(1.0, "sampling temperature (also scales the training logits)")
@@ -140,6 +139,7 @@ class Config:
                                                      "the plan fits them", nargs="?", const="on")
     full_rows: Literal["auto", "on", "off"] = flag("auto", "log-prob forwards of each row whole (auto: "
                                                    "where the plan fits whole groups)", nargs="?", const="on")
+    compile_head: bool = flag(False, "the LM head and log-softmax under torch.compile (fewer passes over V)")
     static_cache: Literal["auto", "on", "off", "flex"] = flag("auto", "generate into a fixed-size KV cache, "
                                                               "its decode step compiled (flex: attending "
                                                               "to its filled blocks only)", nargs="?", const="on")
@@ -606,7 +606,7 @@ def train(cfg):
     problems, eval_problems = training_problems(cfg, tokenizer)  # prompts that fit; the held-out set
     optimizer = make_optimizer(cfg, model)
     critic, critic_optimizer = value_model_and_optimizer(cfg, resume_from, device)  # PPO's; else None, None
-    # PACS's frozen pi_ref: an fp32 copy, so its log-probs take pi_old's route (None: pi_ref = pi_old, always)
+    # PACS's frozen pi_ref (None: pi_ref = pi_old, always): an fp32 copy, so its log-probs take pi_old's route
     ref_model = copy.deepcopy(model).requires_grad_(False).eval() if cfg.ref_reset_every != 1 else None
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     start, sizes = restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, sizes, metrics_path)
@@ -1361,7 +1361,7 @@ def folded_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     b, h, _, d = query.shape  # query (B, H, 1, D); key, value (B, Hkv, S, D); attention_mask (B, 1, 1, S) or None
     folded = query.reshape(b, h // groups, groups, d)  # (B, Hkv, g, D): head i is query i % g of K/V head i // g
     if DECODE["attention"] == "flex" and getattr(attention_mask, "dtype", None) == torch.bool and \
-            key.shape[2] % FLEX_BLOCK == 0:
+            key.shape[2] % FLEX_BLOCK == 0 and attention_mask.shape[0] == b:  # a mask per row, whole blocks
         out = flex_decode_attention(folded, key, value, attention_mask, scaling)  # --static-cache flex
     else:
         out = F.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, dropout_p=dropout,
@@ -1381,14 +1381,16 @@ def flex_decode_attention(query, key, value, mask, scale=None):
     query (B, Hkv, q, D); key, value (B, Hkv, S, D); mask (B, 1, 1, S) bool, True: attend. Returns (B, Hkv, q, D)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     b, S = mask.shape[0], mask.shape[-1]
-    n = -(-S // FLEX_BLOCK)
-    keys = F.pad(mask.reshape(b, S), (0, n * FLEX_BLOCK - S))  # (B, n * FLEX_BLOCK)
+    if S % FLEX_BLOCK or b != query.shape[0]:
+        raise ValueError(f"flex_decode_attention takes whole blocks of {FLEX_BLOCK} positions and a mask per row: "
+                         f"got {S} positions, a mask of {b} rows for {query.shape[0]}")
+    n, keys = S // FLEX_BLOCK, mask.reshape(b, S)  # keys (B, S)
     live = keys.view(b, n, FLEX_BLOCK).any(-1)  # (B, n): a block with a key to attend
     kv_num_blocks = live.sum(-1, dtype=torch.int32).view(b, 1, 1)  # (B, 1, 1): one head row, one query block
     kv_indices = torch.argsort((~live).to(torch.int8), dim=-1, stable=True).to(torch.int32).view(b, 1, 1, n)
     block_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=FLEX_BLOCK,
                                           mask_mod=lambda bi, hi, qi, ki: keys[bi, ki],
-                                          seq_lengths=(query.shape[2], S))
+                                          seq_lengths=(query.shape[2], S), compute_q_blocks=False)  # no backward
     return flex_attention(query, key, value, block_mask=block_mask, scale=scale)
 
 
@@ -1554,6 +1556,9 @@ def _scatter_response(values, keep, width):
     return zeros.masked_scatter(F.pad(keep, (0, width - keep.shape[1])), values) if len(values) else zeros
 
 
+HEAD = {"compiled": None}  # token_logprobs under torch.compile with --compile-head (setup_model), else None
+
+
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0,
                       with_entropy=False, group_size=1, chunk=LOGITS_CHUNK, shared_prompt=True,
                       mask_right_padding=True):
@@ -1568,8 +1573,14 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     logprobs, entropy = [], []
     for s in range(0, len(targets), chunk):
         h, tg = hidden[s:s + chunk], targets[s:s + chunk]
-        if torch.is_grad_enabled():  # recompute the chunk's logits in backward instead of storing them
-            lp, ent = checkpoint(token_logprobs, lm_head, h, tg, temperature, with_entropy, use_reentrant=False)
+        grad, compiled = torch.is_grad_enabled(), HEAD["compiled"]  # compiled: --compile-head
+        if grad or compiled is not None:  # recompute the chunk's logits in backward instead of storing them
+            # compiled, phase 3 (no grad) runs phase 4's graph too and detaches: psi = 0 at --lr 0 needs the phases'
+            # log-probs equal bit for bit, and a graph compiled without grad may fuse the function differently
+            with torch.enable_grad():  # compiled, with the entropy always: one graph, one set of kernels
+                lp, ent = checkpoint(compiled or token_logprobs, lm_head, h if grad else h.detach().requires_grad_(),
+                                     tg, temperature, with_entropy or compiled is not None, use_reentrant=False)
+            lp, ent = lp if grad else lp.detach(), ent if with_entropy else None
         else:
             lp, ent = token_logprobs(lm_head, h, tg, temperature, with_entropy)
         logprobs.append(lp)
@@ -2307,6 +2318,9 @@ def setup_model(cfg, path, device):
     if device.type == "cuda":
         set_cuda_kernels()
     DECODE["attention"] = "flex" if cfg.static_cache == "flex" else "sdpa"  # the static cache's decode attention
+    # --compile-head: one graph for every chunk length (dynamic). Compiled for the first length, then again for all,
+    # it gave one chunk two kernels in phases 3 and 4: psi 1.1e-6 at --lr 0 in the check's rehearsal (psi_levers)
+    HEAD["compiled"] = torch.compile(token_logprobs, dynamic=True) if cfg.compile_head else None
     # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA
     model, tokenizer = load_model(path, device, torch.float32)
     if cfg.gradient_checkpointing:

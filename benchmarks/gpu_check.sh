@@ -18,7 +18,8 @@
 #                  against step_default, generate's ratio
 #   decode         ms a decode step at 1,024 rows, the dynamic cache and the static one (compiled), with profiles
 #   attn           one decode step's attention and sampling at 1,024 rows in each form (decode_attention.py)
-#   psi_levers     psi at --lr 0 with every lever on, prompts of varied length (left padding): psi_std exactly 0
+#   psi_levers     psi at --lr 0 with every lever on (--compile-head too), prompts of varied length (left padding):
+#                  psi_std exactly 0
 #   psi_ckpt       psi at --lr 0 with every lever on, --gradient-checkpointing
 #   e2e_train, e2e_resume, e2e_eval   the README's commands end to end: 2 steps with a held-out eval and a
 #                  checkpoint each, a resumed step, eval.py on the checkpoint (each under its own time limit)
@@ -95,7 +96,7 @@ step() {
 STANDIN=$SCRATCH/standin
 STEP=(benchmarks/gpu_step.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE"
       --warmup-steps 0 --timed-steps 1)
-LEVERS=(--verify-workers 0 --static-cache on --pack-groups on --full-rows on)  # every lever on, CPU included
+LEVERS=(--verify-workers 0 --static-cache on --pack-groups on --full-rows on --compile-head)  # every lever, CPU too
 SHARED=(--pack-groups off --full-rows off)
 DYNAMIC=(--static-cache off --verify-workers 1)
 E2E=$SCRATCH/e2e

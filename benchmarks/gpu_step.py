@@ -357,7 +357,8 @@ def main():
               "gradient_checkpointing": cfg.gradient_checkpointing, "memory_gib": cfg.memory_gib or None,
               "allocator_cap_fraction": cap[0] if cap else None,
               "allocator_cap_gib": cap[1] / pacs.GiB if cap else None, "planned_sizes": planned,
-              "levers": {k: getattr(cfg, k) for k in ("verify_workers", "pack_groups", "full_rows", "static_cache")},
+              "levers": {k: getattr(cfg, k) for k in ("verify_workers", "pack_groups", "full_rows", "static_cache",
+                                                      "compile_head")},
               "verify_processes": workers,
               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     if pacs.static_cache_on(cfg, device.type):  # compile the decode step first, at the run's shapes (not timed)

@@ -400,8 +400,8 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     for name in ("psi_levers", "psi_ckpt"):
         r = load(name)
         assert r["psi_std_max"] == 0.0 and r["lr"] == 0.0 and r["varied_prompts"] == 60, name
-        assert r["levers"] == {"verify_workers": 0, "pack_groups": "on", "full_rows": "on",
-                               "static_cache": "on"}, name
+        assert r["levers"] == {"verify_workers": 0, "pack_groups": "on", "full_rows": "on", "static_cache": "on",
+                               "compile_head": True}, name
         assert r["verify_processes"] == min(len(os.sched_getaffinity(0)), 16), name  # the pool ran the verifier
     assert load("psi_ckpt")["gradient_checkpointing"] and not load("psi_levers")["gradient_checkpointing"]
     for name in ("step_default", "step_dynamic", "step_flex", "step_shared", "step_22g", "step_22g_ckpt"):

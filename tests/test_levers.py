@@ -104,6 +104,8 @@ def test_flex_decode_attention_is_sdpa_under_the_mask():
     q, k, v, mask, _ = flex_case()
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
     torch.testing.assert_close(pacs.flex_decode_attention(q, k, v, mask, 0.3), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="whole blocks of 128 positions"):  # folded_gqa_attention takes SDPA then
+        pacs.flex_decode_attention(q, k[:, :, :200], v[:, :, :200], mask[..., :200])
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 7, True
     query = q.reshape(3, 14, 1, 16)
@@ -213,10 +215,13 @@ def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_mode
         generation_config.compile_config = compile_config
         return generation_config
     monkeypatch.setattr(pacs, "rollout_generation_config", compiled)
+    traced, flex = [], pacs.flex_decode_attention
+    monkeypatch.setattr(pacs, "flex_decode_attention", lambda *a: traced.append(a[1].shape) or flex(*a))
     torch.manual_seed(0)
     compiled = pacs.sample(model, tok, prompts, 4, 12, 1.5, cache_tokens=80)
     for key in dynamic:
         assert torch.equal(dynamic[key], compiled[key]), key
+    assert bool(traced) == (attention == "flex")  # traced into the compiled decode step (flex), or never called
 
 
 def test_static_cache_length_is_one_shape_for_the_run():
@@ -238,6 +243,44 @@ def test_static_cache_is_priced_by_the_plan():
     assert plan()["peak: generate"] == plan(static_cache="off")["peak: generate"] + extra
     cpu_extra = plan("cpu", static_cache="on")["generate: static cache extras"]
     assert plan("cpu")["generate: static cache extras"] == 0 < cpu_extra  # auto: off on the CPU
+
+
+# ---- --compile-head ----------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
+def test_compiled_head_gives_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(digit_model, digit_rollout, const7_file,
+                                                                             tmp_path, monkeypatch):
+    """--compile-head: the log-probs, entropy and gradient of the eager LM head and log-softmax (fp32, chunks of 4
+    tokens: a short last chunk), and a run at --lr 0 under bf16 autocast keeps psi exactly 0: phase 3's no-grad
+    graph and phase 4's grad graph of the compiled head agree bit for bit."""
+    cpu_inductor(monkeypatch, tmp_path)
+    monkeypatch.setitem(pacs.HEAD, "compiled", None)  # restored after the run below sets it
+    roll, _ = digit_rollout
+    model, _ = pacs.load_model(digit_model)
+    out = []
+    for compiled in (None, torch.compile(pacs.token_logprobs)):
+        pacs.HEAD["compiled"] = compiled
+        lp, ent = pacs.response_logprobs(model, roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"],
+                                         roll["response_mask"], 1.5, with_entropy=True, group_size=4, chunk=4)
+        lp.sum().backward()
+        out.append((lp.detach(), ent, [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    (lp, ent, grads), (lp_c, ent_c, grads_c) = out
+    torch.testing.assert_close(lp_c, lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent_c, ent, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    from torch._dynamo.utils import counters
+    graphs = counters["stats"]["unique_graphs"]
+    pacs.main(["--model", digit_model, "--dataset", const7_file, "--out-dir", str(tmp_path / "run"), "--group-size",
+               "8", "--prompts-per-step", "8", "--num-mini-batches", "2", "--micro-batch-size", "16", "--steps", "2",
+               "--lr", "0", "--autocast", "bf16", "--rollout-dtype", "bf16", "--max-new-tokens", "4",
+               "--temperature", "1.5", "--eval-every", "0", "--log-samples-every", "0", "--compile-head"])
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert any(r["mixed_groups"] > 0 for r in rows)  # a gradient was computed (and applied with lr 0)
+    assert all(r["psi_mean"] == 0.0 and r["psi_std"] == 0.0 for r in rows)
+    assert pacs.HEAD["compiled"] is not None and counters["stats"]["unique_graphs"] > graphs  # it compiled
 
 
 # ---- --verify-workers --------------------------------------------------------------------------------------------
@@ -306,9 +349,10 @@ def test_verifier_workers_leave_no_process_behind(tmp_path, ending):
 
 def test_verifier_processes_work_beside_phase_3_and_leave_the_step_unchanged(digit_model, monkeypatch):
     """With verifier processes, train_step's phase 3 (the old log-probs) runs while the verdicts are still on their
-    way: here the verifier waits until phase 3 has started, which a verifier run before phase 3 would wait for in
-    vain. The step equals the in-process step (rewards, loss, psi, gradient norm, weights), an error in the
-    verifier reaches the caller, and the step's phases still sum to its time."""
+    way: here the verifier waits until phase 3 has run, which a verifier run before phase 3 would wait for in vain,
+    and half a second more, which the step logs as the verifier's time. The step equals the in-process step
+    (rewards, loss, psi, gradient norm, weights), an error in the verifier reaches the caller, and the step's phases
+    still sum to its time."""
     import threading
     problems = [{"problem": f"{i} + 1 =", "answer": str(i + 1)} for i in range(8)]
     cfg = pacs.Config(group_size=4, prompts_per_step=4, num_mini_batches=2, max_new_tokens=4, micro_batch_size=8,
@@ -317,12 +361,15 @@ def test_verifier_processes_work_beside_phase_3_and_leave_the_step_unchanged(dig
     real_reference = pacs.reference_logprobs
 
     def reference_logprobs(*args):
-        phase_3.set()
-        return real_reference(*args)
+        try:
+            return real_reference(*args)
+        finally:
+            phase_3.set()  # phase 3 has run
 
     def reward_fn(texts, answers):  # mixed groups, from the texts alone
         if pacs.VERIFIER["pool"] is not None:
             waited.append(phase_3.wait(10))
+            time.sleep(0.5)  # verdicts that come after phase 3: the step waits for them, in time_verify
         return torch.tensor([float(len(t) % 2) for t in texts])
 
     monkeypatch.setattr(pacs, "reference_logprobs", reference_logprobs)
@@ -337,8 +384,9 @@ def test_verifier_processes_work_beside_phase_3_and_leave_the_step_unchanged(dig
         optimizer = pacs.make_optimizer(cfg, model)
         metrics, _ = pacs.train_step(cfg, model, tok, optimizer, problems, 0, torch.device("cpu"))
         runs.append((metrics, [p.detach().clone() for p in model.parameters()]))
-    assert waited == [True]  # the pool's verdicts waited for phase 3, and got it
+    assert waited == [True]  # the pool's verdicts waited for the end of phase 3, and got it
     (serial, weights), (beside, weights_beside) = runs
+    assert beside["time_verify"] >= 0.5 > serial["time_verify"]  # the wait after phase 3 is the verifier's time
     for key in ("reward", "mixed_groups", "loss", "psi_mean", "psi_std", "grad_norm", "entropy"):
         assert beside[key] == serial[key], key
     assert 0 < serial["reward"] < 1 and all(torch.equal(a, b) for a, b in zip(weights, weights_beside))
