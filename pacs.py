@@ -141,8 +141,8 @@ class Config:
                                                    "where the plan fits whole groups)", nargs="?", const="on")
     compile_head: bool = flag(False, "the LM head and log-softmax under torch.compile (fewer passes over V)")
     static_cache: Literal["auto", "on", "off", "flex"] = flag("auto", "generate into a fixed-size KV cache, "
-                                                              "its decode step compiled (flex: attending "
-                                                              "to its filled blocks only)", nargs="?", const="on")
+                                                              "its decode step compiled (flex: reading its "
+                                                              "filled blocks only)", nargs="?", const="on")
 
     def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
         loss_agg, max_grad_norm = OFFICIAL_PER_ALGO.get(self.algo, (None, 0.0))
