@@ -2312,6 +2312,16 @@ def set_cuda_kernels():
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def scalar_cpu_compile():
+    """torch.compile on a CPU without a vector ISA (ATEN_CPU_CAPABILITY=default, or no AVX2): inductor emits vector
+    code there that does not build (torch 2.13), scalar code does (cpp.simdlen 1). Returns whether it set that."""
+    from torch._inductor import config, cpu_vec_isa
+    if cpu_vec_isa.pick_vec_isa() or config.cpp.simdlen is not None:
+        return False
+    config.cpp.simdlen = 1
+    return True
+
+
 def setup_model(cfg, path, device):
     """(model, rollout_model, tokenizer, sizes): the fp32 model to train, the copy generate() runs on, and the run's
     batch sizes from the memory plan, printed (its --micro-batch-size / --gen-batch-prompts where they are 0)."""
@@ -2321,6 +2331,8 @@ def setup_model(cfg, path, device):
     # --compile-head: one graph for every chunk length (dynamic). Compiled for the first length, then again for all,
     # it gave one chunk two kernels in phases 3 and 4: psi 1.1e-6 at --lr 0 in the check's rehearsal (psi_levers)
     HEAD["compiled"] = torch.compile(token_logprobs, dynamic=True) if cfg.compile_head else None
+    if cfg.compile_head and device.type == "cpu":
+        scalar_cpu_compile()
     # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA
     model, tokenizer = load_model(path, device, torch.float32)
     if cfg.gradient_checkpointing:

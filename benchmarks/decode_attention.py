@@ -128,6 +128,7 @@ def main():
     device = torch.device(args.device)
     if device.type == "cuda":
         pacs.set_cuda_kernels()  # the run's: TF32, math and cuDNN SDPA off
+    scalar = device.type == "cpu" and pacs.scalar_cpu_compile()  # no vector ISA: inductor's scalar code
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     inputs = decode_inputs(args.rows, args.kv_heads, args.groups, args.head_dim, args.cache, args.filled, dtype,
                            device)
@@ -152,6 +153,11 @@ def main():
             else:
                 fn = attention[form]
                 if fn is None:
+                    continue
+                if form == "flex" and scalar:  # inductor's CPU flex_attention needs a vector ISA
+                    entry["skipped"] = "no vector ISA on this CPU: inductor does not compile flex_attention"
+                    print(f"{form:14s} skipped: {entry['skipped']}", flush=True)
+                    result["forms"][form] = entry
                     continue
                 call_args = filled if form == "sdpa-filled" else inputs
                 entry["max_abs_diff"] = (fn(*call_args).float() - ref).abs().max().item()

@@ -337,7 +337,8 @@ def summary_rows(out):
     attn = load("attn")
     if attn and "error" not in attn:  # one decode step's attention (x layers) and sampling, in each form
         rows.append(("decode forms: a step's attention | sampling, ms", " | ".join(
-            f"{k} {v['ms_a_step' if 'ms_a_step' in v else 'ms']:.2f}" if "ms" in v else f"{k} FAIL"
+            f"{k} {v['ms_a_step' if 'ms_a_step' in v else 'ms']:.2f}" if "ms" in v else
+            f"{k} skipped" if "skipped" in v else f"{k} FAIL"
             for k, v in attn.get("forms", {}).items())))
     decode = load("decode")
     if decode and "error" not in decode:

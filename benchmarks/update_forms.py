@@ -85,6 +85,8 @@ def run_form(cfg, model, roll, micro, grad, part, device):
                 targets = roll["response_ids"][sl].flatten()
                 lm_head, out = model.get_output_embeddings(), 0.0
                 if part == "headc" and "head" not in COMPILED:
+                    if device.type == "cpu":
+                        pacs.scalar_cpu_compile()  # without a vector ISA: inductor's scalar code
                     COMPILED["head"] = torch.compile(pacs.token_logprobs, dynamic=True)  # as --compile-head
                 logprobs = COMPILED["head"] if part == "headc" else pacs.token_logprobs
                 for s in range(0, n, pacs.LOGITS_CHUNK):

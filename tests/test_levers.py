@@ -116,22 +116,34 @@ def test_flex_decode_attention_is_sdpa_under_the_mask():
     torch.testing.assert_close(out, sdpa.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
 def cpu_inductor(monkeypatch, tmp_path):
     """inductor on this CPU: kernels of the test's own (the shared cache may hold kernels built under another
     ATEN_CPU_CAPABILITY: a crash), scalar code under ATEN_CPU_CAPABILITY=default (its vector code does not build
     there, torch 2.13)."""
+    import torch._inductor.config as inductor_config
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
-        import torch._inductor.config as inductor_config
-        monkeypatch.setattr(inductor_config.cpp, "simdlen", 1)
+    scalar = os.environ.get("ATEN_CPU_CAPABILITY") == "default"
+    with inductor_config.patch({"cpp.simdlen": 1} if scalar else {}):
+        yield
+
+
+def compiled_flex_skip():
+    """Why inductor cannot compile flex_attention on this CPU (it needs a vector ISA: none under
+    ATEN_CPU_CAPABILITY=default), or None. CUDA's compiled decode step has its own flex kernels."""
+    from torch._inductor import cpu_vec_isa
+    if not cpu_vec_isa.pick_vec_isa():
+        return "inductor compiles flex_attention on the CPU only with a vector ISA (none under this capability)"
+    return None
 
 
 @pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
-def test_compiled_flex_decode_attention_never_reads_an_empty_block(monkeypatch, tmp_path):
+def test_compiled_flex_decode_attention_never_reads_an_empty_block(cpu_inductor):
     """Compiled, as the decode step runs it: SDPA's output, and a block with no key to attend is never read (NaN
     there leaves the output finite, where SDPA's masked read of it gives NaN)."""
-    cpu_inductor(monkeypatch, tmp_path)
+    if compiled_flex_skip():
+        pytest.skip(compiled_flex_skip())
     q, k, v, mask, empty = flex_case()
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
     poisoned = [t.clone() for t in (k, v)]
@@ -193,11 +205,14 @@ def test_static_cache_decodes_with_folded_heads(digit_model, monkeypatch):
 @pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
-def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_model, monkeypatch, tmp_path, attention):
+def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_model, monkeypatch, attention,
+                                                                       cpu_inductor):
     """The CUDA road's decode step, compiled, on the CPU (transformers compiles it on CUDA only, unless told to):
     the folded heads, under SDPA or flex_attention (--static-cache flex), give the dynamic cache's tokens for the
     same seed."""
     from transformers import CompileConfig
+    if attention == "flex" and compiled_flex_skip():
+        pytest.skip(compiled_flex_skip())
     monkeypatch.setitem(pacs.DECODE, "attention", attention)
     torch._dynamo.reset()  # a decode step compiled earlier in this process at another cache length would make that
     # length dynamic here, which inductor's flex_attention on the CPU does not take (a run keeps one length)
@@ -206,7 +221,6 @@ def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_mode
     torch.manual_seed(0)
     dynamic = pacs.sample(model, tok, prompts, 4, 12, 1.5)
     compile_config = CompileConfig(mode="default")  # no CUDA graphs on the CPU
-    cpu_inductor(monkeypatch, tmp_path)
     compile_config._compile_all_devices = True
     config = pacs.rollout_generation_config
 
@@ -249,11 +263,10 @@ def test_static_cache_is_priced_by_the_plan():
 @pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
 def test_compiled_head_gives_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(digit_model, digit_rollout, const7_file,
-                                                                             tmp_path, monkeypatch):
+                                                                             tmp_path, monkeypatch, cpu_inductor):
     """--compile-head: the log-probs, entropy and gradient of the eager LM head and log-softmax (fp32, chunks of 4
     tokens: a short last chunk), and a run at --lr 0 under bf16 autocast keeps psi exactly 0: phase 3's no-grad
     graph and phase 4's grad graph of the compiled head agree bit for bit."""
-    cpu_inductor(monkeypatch, tmp_path)
     monkeypatch.setitem(pacs.HEAD, "compiled", None)  # restored after the run below sets it
     roll, _ = digit_rollout
     model, _ = pacs.load_model(digit_model)
