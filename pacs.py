@@ -1567,30 +1567,45 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     backward: a micro-batch's logits (b x T x 151,936 for Qwen) and their gradient never exist in full."""
     hidden, keep = response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
                                    shared_prompt, mask_right_padding)
-    lm_head = model.get_output_embeddings()
     # only the n real response tokens go through the LM head: padding after the first EOS costs nothing
     hidden, targets = hidden[keep], response_ids[:, :keep.shape[1]][keep]  # (n, H), (n,)
+    logprobs, entropy = head_logprobs(model.get_output_embeddings(), hidden, targets, temperature, with_entropy,
+                                      chunk)  # (n,), (n,) or None
+    width = response_ids.shape[1]
+    return (_scatter_response(logprobs, keep, width),
+            _scatter_response(entropy, keep, width) if with_entropy else None)
+
+
+def head_logprobs(lm_head, hidden, targets, temperature, with_entropy=False, chunk=LOGITS_CHUNK):
+    """token_logprobs over `chunk` tokens at a time, recomputed in backward (checkpoint) when grad is on: (n,), and
+    the entropy (n,) or None. hidden (n, H), targets (n,). With --compile-head (HEAD), the compiled function, which
+    phase 3 (no grad) runs with grad too, and detaches: psi = 0 at --lr 0 needs the phases' log-probs equal bit for
+    bit, and a graph compiled without grad may fuse the function differently; the entropy always: one graph."""
     logprobs, entropy = [], []
+    grad, compiled = torch.is_grad_enabled(), HEAD["compiled"]
     for s in range(0, len(targets), chunk):
         h, tg = hidden[s:s + chunk], targets[s:s + chunk]
-        grad, compiled = torch.is_grad_enabled(), HEAD["compiled"]  # compiled: --compile-head
-        if grad or compiled is not None:  # recompute the chunk's logits in backward instead of storing them
-            # compiled, phase 3 (no grad) runs phase 4's graph too and detaches: psi = 0 at --lr 0 needs the phases'
-            # log-probs equal bit for bit, and a graph compiled without grad may fuse the function differently
-            with torch.enable_grad():  # compiled, with the entropy always: one graph, one set of kernels
+        if grad or compiled is not None:
+            with torch.enable_grad():
                 lp, ent = checkpoint(compiled or token_logprobs, lm_head, h if grad else h.detach().requires_grad_(),
                                      tg, temperature, with_entropy or compiled is not None, use_reentrant=False)
-            lp, ent = lp if grad else lp.detach(), ent if with_entropy else None
+            lp = lp if grad else lp.detach()
         else:
             lp, ent = token_logprobs(lm_head, h, tg, temperature, with_entropy)
         logprobs.append(lp)
         if with_entropy:
             entropy.append(ent)
-    width = response_ids.shape[1]
-    logprobs = _scatter_response(torch.cat(logprobs) if logprobs else hidden.new_zeros(0), keep, width)
-    entropy = _scatter_response(torch.cat(entropy) if entropy else hidden.new_zeros(0), keep, width) \
-        if with_entropy else None
-    return logprobs, entropy
+    cat = lambda parts: torch.cat(parts) if parts else hidden.new_zeros(0)  # noqa: E731 (no response token: empty)
+    return cat(logprobs), cat(entropy) if with_entropy else None
+
+
+def compile_head(device):
+    """--compile-head: token_logprobs under torch.compile, one graph for every chunk length (dynamic). Compiled for
+    the first length, then again for all, it gave one chunk two kernels in phases 3 and 4: psi 1.1e-6 at --lr 0 in
+    the GPU check's CPU rehearsal (psi_levers)."""
+    if device.type == "cpu":
+        scalar_cpu_compile()
+    return torch.compile(token_logprobs, dynamic=True)
 
 
 def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask, group_size=1, shared_prompt=True,
@@ -2314,12 +2329,12 @@ def set_cuda_kernels():
 
 def scalar_cpu_compile():
     """torch.compile on a CPU without a vector ISA (ATEN_CPU_CAPABILITY=default, or no AVX2): inductor emits vector
-    code there that does not build (torch 2.13), scalar code does (cpp.simdlen 1). Returns whether it set that."""
+    code there that does not build (torch 2.13), scalar code does (cpp.simdlen 1). Returns whether it is such a CPU."""
     from torch._inductor import config, cpu_vec_isa
-    if cpu_vec_isa.pick_vec_isa() or config.cpp.simdlen is not None:
-        return False
-    config.cpp.simdlen = 1
-    return True
+    scalar = not cpu_vec_isa.pick_vec_isa()
+    if scalar:
+        config.cpp.simdlen = 1
+    return scalar
 
 
 def setup_model(cfg, path, device):
@@ -2328,11 +2343,7 @@ def setup_model(cfg, path, device):
     if device.type == "cuda":
         set_cuda_kernels()
     DECODE["attention"] = "flex" if cfg.static_cache == "flex" else "sdpa"  # the static cache's decode attention
-    # --compile-head: one graph for every chunk length (dynamic). Compiled for the first length, then again for all,
-    # it gave one chunk two kernels in phases 3 and 4: psi 1.1e-6 at --lr 0 in the check's rehearsal (psi_levers)
-    HEAD["compiled"] = torch.compile(token_logprobs, dynamic=True) if cfg.compile_head else None
-    if cfg.compile_head and device.type == "cpu":
-        scalar_cpu_compile()
+    HEAD["compiled"] = compile_head(device) if cfg.compile_head else None  # the LM head's log-probs (--compile-head)
     # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA
     model, tokenizer = load_model(path, device, torch.float32)
     if cfg.gradient_checkpointing:

@@ -97,17 +97,16 @@ def timed(fn, args, iters, device):
     return statistics.median(times)
 
 
-def attention_forms(device):
-    """name -> (function, whether it reads only the filled positions); each under the run's kernel settings."""
+def sdpa_cudnn(*args):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    cudnn = lambda *a: sdpa_with(sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), *a)  # noqa: E731
-    return {"sdpa": sdpa, "sdpa-cudnn": cudnn if device.type == "cuda" else None, "sdpa-filled": sdpa, "bmm": bmm,
-            "bmm-compiled": torch.compile(bmm), "flex": torch.compile(pacs.flex_decode_attention)}
-
-
-def sdpa_with(context, *args):
-    with context:
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         return sdpa(*args)
+
+
+def attention_forms(device):
+    """name -> the function of each attention form (None: not on this device), under the run's kernel settings."""
+    return {"sdpa": sdpa, "sdpa-cudnn": sdpa_cudnn if device.type == "cuda" else None, "sdpa-filled": sdpa,
+            "bmm": bmm, "bmm-compiled": torch.compile(bmm), "flex": torch.compile(pacs.flex_decode_attention)}
 
 
 def main():
@@ -150,16 +149,13 @@ def main():
                 fn = sample_hf if form == "sample-hf" else torch.compile(sample_gumbel)
                 entry["ms"] = timed(fn, (logits,), args.iters, device)
                 print(f"{form:14s} {entry['ms']:8.3f} ms a step's sampling", flush=True)
+            elif attention[form] is None:  # cuDNN's kernel off CUDA
+                continue
+            elif form == "flex" and scalar:  # inductor's CPU flex_attention needs a vector ISA
+                entry["skipped"] = "no vector ISA on this CPU: inductor does not compile flex_attention"
+                print(f"{form:14s} skipped: {entry['skipped']}", flush=True)
             else:
-                fn = attention[form]
-                if fn is None:
-                    continue
-                if form == "flex" and scalar:  # inductor's CPU flex_attention needs a vector ISA
-                    entry["skipped"] = "no vector ISA on this CPU: inductor does not compile flex_attention"
-                    print(f"{form:14s} skipped: {entry['skipped']}", flush=True)
-                    result["forms"][form] = entry
-                    continue
-                call_args = filled if form == "sdpa-filled" else inputs
+                fn, call_args = attention[form], filled if form == "sdpa-filled" else inputs
                 entry["max_abs_diff"] = (fn(*call_args).float() - ref).abs().max().item()
                 entry["ms"] = timed(fn, call_args, args.iters, device)
                 entry["ms_a_step"] = entry["ms"] * args.layers

@@ -69,7 +69,8 @@ COMPILED = {}  # the compiled token_logprobs of headc-* (compiled once, on its f
 def run_form(cfg, model, roll, micro, grad, part, device):
     """One mini-batch (all of roll's rows) in micro-batches of `micro` rows: the log-probs' sum backpropagated
     (grad) or a no-grad forward. part: 'all' (pacs.step_logprobs), 'body' (the decoder only), 'head' (the LM
-    head and log-softmax only, on random hidden states) or 'headc' (the same, pacs.token_logprobs compiled)."""
+    head and log-softmax only, pacs.head_logprobs on random hidden states) or 'headc' (the same, --compile-head's
+    route)."""
     autocast = pacs.autocast_context(cfg, device)
     rows = roll["response_ids"].shape[0]
     for sl in pacs.micro_slices(slice(0, rows), micro):
@@ -83,20 +84,13 @@ def run_form(cfg, model, roll, micro, grad, part, device):
                 n = (sl.stop - sl.start) * roll["response_ids"].shape[1]
                 hidden = torch.randn(n, model.config.hidden_size, device=device, requires_grad=grad)
                 targets = roll["response_ids"][sl].flatten()
-                lm_head, out = model.get_output_embeddings(), 0.0
                 if part == "headc" and "head" not in COMPILED:
-                    if device.type == "cpu":
-                        pacs.scalar_cpu_compile()  # without a vector ISA: inductor's scalar code
-                    COMPILED["head"] = torch.compile(pacs.token_logprobs, dynamic=True)  # as --compile-head
-                logprobs = COMPILED["head"] if part == "headc" else pacs.token_logprobs
-                for s in range(0, n, pacs.LOGITS_CHUNK):
-                    lp, _ = pacs.checkpoint(logprobs, lm_head, hidden[s:s + pacs.LOGITS_CHUNK],
-                                            targets[s:s + pacs.LOGITS_CHUNK], 1.0, False, use_reentrant=False) \
-                        if grad else logprobs(lm_head, hidden[s:s + pacs.LOGITS_CHUNK],
-                                              targets[s:s + pacs.LOGITS_CHUNK], 1.0)
-                    out = out + lp.sum()
+                    COMPILED["head"] = pacs.compile_head(device)  # as --compile-head
+                pacs.HEAD["compiled"] = COMPILED["head"] if part == "headc" else None  # the run's route for it
+                out = pacs.head_logprobs(model.get_output_embeddings(), hidden, targets, 1.0)[0].sum()
         if grad:
             out.backward()
+    pacs.HEAD["compiled"] = None
     if grad:
         model.zero_grad(set_to_none=True)
     sync(device)

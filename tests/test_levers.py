@@ -119,12 +119,12 @@ def test_flex_decode_attention_is_sdpa_under_the_mask():
 @pytest.fixture
 def cpu_inductor(monkeypatch, tmp_path):
     """inductor on this CPU: kernels of the test's own (the shared cache may hold kernels built under another
-    ATEN_CPU_CAPABILITY: a crash), scalar code under ATEN_CPU_CAPABILITY=default (its vector code does not build
-    there, torch 2.13)."""
+    ATEN_CPU_CAPABILITY: a crash), scalar code without a vector ISA, as under ATEN_CPU_CAPABILITY=default (its
+    vector code does not build there, torch 2.13)."""
     import torch._inductor.config as inductor_config
+    from torch._inductor import cpu_vec_isa
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    scalar = os.environ.get("ATEN_CPU_CAPABILITY") == "default"
-    with inductor_config.patch({"cpp.simdlen": 1} if scalar else {}):
+    with inductor_config.patch({} if cpu_vec_isa.pick_vec_isa() else {"cpp.simdlen": 1}):  # as pacs.scalar_cpu_compile
         yield
 
 
