@@ -127,8 +127,7 @@ class Config:
                                                           "auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32")
     autocast: Literal["auto", "bf16", "off"] = flag("auto", "bf16 autocast of the training forwards: auto "
                                                     "(CUDA only) | bf16 (on the CPU: CUDA's rounding) | off")
-    gradient_checkpointing: bool = flag(False, "recompute activations in backward "
-                                        "(prompts are then run per row)")
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward (prompts run per row)")
     memory_gib: float = flag(0.0, "plan memory for this many GiB instead of the device's (0 = the device's)")
     plan_only: bool = flag(False, "print the memory plan (needs only the model's config.json) and exit")
     save_minutes: float = flag(15.0, "also checkpoint when this many minutes passed since the last one "
@@ -140,6 +139,7 @@ class Config:
     full_rows: Literal["auto", "on", "off"] = flag("auto", "log-prob forwards of each row whole (auto: "
                                                    "where the plan fits whole groups)", nargs="?", const="on")
     compile_head: bool = flag(False, "the LM head and log-softmax under torch.compile (fewer passes over V)")
+    compile_layers: bool = flag(False, "the decoder layers of the log-prob forwards under torch.compile")
     static_cache: Literal["auto", "on", "off", "flex"] = flag("auto", "generate into a fixed-size KV cache, "
                                                               "its decode step compiled (flex: reading its "
                                                               "filled blocks only)", nargs="?", const="on")
@@ -606,8 +606,8 @@ def train(cfg):
     problems, eval_problems = training_problems(cfg, tokenizer)  # prompts that fit; the held-out set
     optimizer = make_optimizer(cfg, model)
     critic, critic_optimizer = value_model_and_optimizer(cfg, resume_from, device)  # PPO's; else None, None
-    # PACS's frozen pi_ref (None: pi_ref = pi_old, always): an fp32 copy, so its log-probs take pi_old's route
-    ref_model = copy.deepcopy(model).requires_grad_(False).eval() if cfg.ref_reset_every != 1 else None
+    # PACS's frozen pi_ref (None: pi_ref = pi_old): an fp32 copy out of the optimizer, on pi_old's route and graph
+    ref_model = copy.deepcopy(model).eval() if cfg.ref_reset_every != 1 else None
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     start, sizes = restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, sizes, metrics_path)
     trackers = Trackers(report_targets(cfg.report_to), cfg.out_dir, dataclasses.asdict(cfg), start,
@@ -1529,8 +1529,14 @@ def response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask,
         mask = attn
         if not mask_right_padding:  # the real tokens precede the padding: only left padding needs a mask
             mask = None if bool(prompt_mask.all()) else F.pad(prompt_mask, (0, T), value=1)  # (b, Lp + T) or None
-        hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids,  # position Lp-1+t predicts t
-                         use_cache=False).last_hidden_state[:, Lp - 1:-1]  # (b, T, H)
+        run = lambda: decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids,  # noqa: E731
+                              use_cache=False).last_hidden_state  # (b, Lp + T, H)
+        if torch.is_grad_enabled() or not getattr(decoder, "compiled_layers", False):
+            hidden = run()
+        else:  # --compile-layers, phase 3: phase 4's graph, grad on and nothing kept (as head_logprobs does)
+            with torch.enable_grad():
+                hidden = checkpoint(run, use_reentrant=False).detach()
+        hidden = hidden[:, Lp - 1:-1]  # (b, T, H): position Lp-1+t predicts t
     else:
         # Shared prompt: one forward over the b/G distinct prompts (with grad), its KV cache repeated G times
         # for the responses. repeat_interleave is differentiable, so the prompt's activations receive the
@@ -1606,6 +1612,37 @@ def compile_head(device):
     if device.type == "cpu":
         scalar_cpu_compile()
     return torch.compile(token_logprobs, dynamic=True)
+
+
+def compile_layers(model, device):
+    """--compile-layers: the decoder's layers run their class's forward under torch.compile wherever they are called
+    without a KV cache: the log-prob forwards of full rows (--full-rows, --gradient-checkpointing); generate and the
+    shared prompt's cached forwards stay eager. One graph serves every layer, its weights the graph's inputs
+    (regional compilation: a layer's compile, not the whole decoder's), dynamic in rows and length. psi = 0 at --lr 0
+    needs phases 3 and 4 on one graph: response_hidden runs phase 3's forward with grad too, inside checkpoint (no
+    activation kept), and detaches it; a frozen pi_ref keeps requires_grad for the same reason (train)."""
+    import functools
+    import inspect
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        raise ConfigError(f"--compile-layers needs a decoder with a list of layers; {type(model.base_model).__name__} "
+                          f"has none")
+    if device.type == "cpu":
+        scalar_cpu_compile()
+    # the layer's own forward: transformers wraps it in its checkpointing (and a keyword's rename), which compiled
+    # would recompile per mode; that wrapper's checkpoint is kept, in eager code, around the compiled forward
+    compiled = torch.compile(inspect.unwrap(type(layers[0]).forward), dynamic=True)
+
+    def layer_forward(layer, eager, *args, **kwargs):
+        if kwargs.get("cache") is not None:
+            return eager(*args, **kwargs)
+        if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+            return layer._gradient_checkpointing_func(functools.partial(compiled, layer, **kwargs), *args)
+        return compiled(layer, *args, **kwargs)
+
+    for layer in layers:
+        layer.forward = functools.partial(layer_forward, layer, layer.forward)
+    model.base_model.compiled_layers = True
 
 
 def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask, group_size=1, shared_prompt=True,
@@ -2355,6 +2392,11 @@ def setup_model(cfg, path, device):
     rollout_model = model
     if rollout_torch_dtype(cfg, device.type) != torch.float32:
         rollout_model = rollout_copy(model, rollout_torch_dtype(cfg, device.type)).eval()
+    if cfg.compile_layers:  # the training model's layers (the rollout copy's stay eager: its decode step compiles)
+        compile_layers(model, device)
+        if not (sizes.full_rows or cfg.gradient_checkpointing):
+            print("[compile] --compile-layers acts on full rows' forwards; this run shares each group's prompt (its "
+                  "KV cache: eager), so the layers run eager: add --full-rows on", file=sys.stderr)
     return model, rollout_model, tokenizer, sizes
 
 

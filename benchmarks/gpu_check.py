@@ -290,6 +290,7 @@ def summary_rows(out):
     steps = {}
     for name, what in (("step_default", "default step, the defaults"),
                        ("step_dynamic", "default step, --static-cache off --verify-workers 1"),
+                       ("step_opt", "default step, every opt-in lever (flex, compiled head and layers)"),
                        ("step_flex", "default step, --static-cache flex"),
                        ("step_shared", "default step, one group per micro-batch, shared prompt"),
                        ("step_22g", "--memory-gib 22.5, the defaults"),
@@ -331,6 +332,9 @@ def summary_rows(out):
     if ratios:
         rows.append(("--static-cache, --verify-workers: speed-up (same card, same call)",
                      f"{ratios} ({steps['step_default'].get('verify_processes')} processes)"))
+    ratios = speed_up("step_default", "step_opt", *phases)
+    if ratios:
+        rows.append(("the opt-in levers together: speed-up over the defaults (same card, same call)", ratios))
     ratios = speed_up("step_default", "step_flex", "step", "generate")
     if ratios:
         rows.append(("--static-cache flex: speed-up over the defaults (same card, same call)", ratios))
@@ -348,11 +352,18 @@ def summary_rows(out):
     forms = load("forms")
     if forms and "error" not in forms:  # one mini-batch in each form: each lever's own ratio on the update
         f = forms.get("forms", {})
-        base = f.get("shared-8", {}).get("fwd_bwd_s")
         rows.append(("update forms: one mini-batch forward + backward (forward)", " | ".join(
-            f"{k} {1e3 * v['fwd_bwd_s']:.0f} ms ({1e3 * v['fwd_s']:.0f})" + (
-                f" x{base / v['fwd_bwd_s']:.2f}" if base else "") if "fwd_bwd_s" in v else f"{k} FAIL"
+            f"{k} {1e3 * v['fwd_bwd_s']:.0f} ms ({1e3 * v['fwd_s']:.0f})" if "fwd_bwd_s" in v else f"{k} FAIL"
             for k, v in f.items())))
+        for lever, fast, slow in (("--compile-layers", "layersc", "full"), ("--compile-head", "headc", "head")):
+            for name, v in f.items():  # the compiled form against the eager one of as many rows
+                kind, micro = name.rsplit("-", 1)
+                eager = f.get(f"{slow}-{micro}", {})
+                if kind == fast and "fwd_bwd_s" in v and "fwd_bwd_s" in eager:
+                    rows.append((f"{lever}: speed-up on one mini-batch ({name} against {slow}-{micro})",
+                                 f"forward + backward x{eager['fwd_bwd_s'] / v['fwd_bwd_s']:.2f}, forward "
+                                 f"x{eager['fwd_s'] / v['fwd_s']:.2f}; compile and first call "
+                                 f"{v['fwd_bwd_first_s']:.0f} s"))
     for name in ("e2e_train", "e2e_resume", "e2e_eval"):
         line = status.get(name, "did not run")
         rows.append((f"README end to end: {name[4:]}", ("pass: " if line.startswith("exit 0") else "FAIL: ") + line))

@@ -14,26 +14,31 @@
 #   step_default   the defaults at the default shape: time split, tokens/s, generate and update peaks vs the plan
 #   step_dynamic   the same with the dynamic KV cache and the verifier in this process (--static-cache off
 #                  --verify-workers 1): against step_default, generate's and the verifier's ratios
+#   step_opt       the same with every opt-in lever on (--static-cache flex --compile-head --compile-layers):
+#                  against step_default, the ratio of each phase
 #   step_flex      the same with --static-cache flex (the decode attention reads the cache's filled blocks only):
 #                  against step_default, generate's ratio
 #   decode         ms a decode step at 1,024 rows, the dynamic cache and the static one (compiled), with profiles
 #   attn           one decode step's attention and sampling at 1,024 rows in each form (decode_attention.py)
-#   psi_levers     psi at --lr 0 with every lever on (--compile-head too), prompts of varied length (left padding):
-#                  psi_std exactly 0
-#   psi_ckpt       psi at --lr 0 with every lever on, --gradient-checkpointing
+#   psi_levers     psi at --lr 0 with every lever on (--compile-head --compile-layers too), prompts of varied
+#                  length (left padding): psi_std exactly 0
+#   psi_ckpt       psi at --lr 0 with every lever on, --gradient-checkpointing, against a frozen pi_ref
+#                  (--ref-reset-every 2: the reference copy's forwards)
 #   e2e_train, e2e_resume, e2e_eval   the README's commands end to end: 2 steps with a held-out eval and a
 #                  checkpoint each, a resumed step, eval.py on the checkpoint (each under its own time limit)
 #   step_shared    the default step with one group per micro-batch and the shared prompt (--pack-groups off
 #                  --full-rows off)
-#   forms          one mini-batch's update in each form (benchmarks/update_forms.py): each lever's own ratio
+#   forms          one mini-batch's update in each form (benchmarks/update_forms.py): --compile-layers' and
+#                  --compile-head's own ratios (layersc-32 against full-32, headc-8 against head-8)
 #   step_22g       the defaults at --memory-gib 22.5 under a real allocator cap (a 24 GB card's limit)
 #   step_22g_ckpt  the same with --gradient-checkpointing, where the plan takes 16 rows of full rows, not 2
 #   profile        torch.profiler over a smaller default step's verify, old log-probs and updates
-# Every lever is on by default with CUDA. --pack-groups and --full-rows act on the old log-probs and the updates:
-# step_shared against step_default gives their ratio phase by phase, and forms each one's own, on one card in one
-# call; --static-cache and --verify-workers act on generate and the verifier: step_dynamic against step_default. Then OUT/summary.md (a table with a verdict per check: a missing or nonzero
-# psi, a peak over its plan or a failed command reads FAIL) and OUT/results.json (every step's JSON in one file: a
-# GPU loan brings back at most 8 files).
+# With CUDA --pack-groups, --full-rows, --static-cache and --verify-workers are on by default: step_shared and
+# step_dynamic against step_default give their ratios, phase by phase, on one card in one call. The opt-in levers
+# (--static-cache flex, --compile-head, --compile-layers): step_opt against step_default all together, forms and
+# attn each alone. Then OUT/summary.md (a table with a verdict per check: a missing or nonzero psi, a peak over its
+# plan or a failed command reads FAIL) and OUT/results.json (every step's JSON in one file: a GPU loan brings back
+# at most 8 files).
 set -u
 usage="usage: bash benchmarks/gpu_check.sh OUT_DIR [--device cuda|cpu]"
 OUT=${1:?$usage}
@@ -96,7 +101,9 @@ step() {
 STANDIN=$SCRATCH/standin
 STEP=(benchmarks/gpu_step.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE"
       --warmup-steps 0 --timed-steps 1)
-LEVERS=(--verify-workers 0 --static-cache on --pack-groups on --full-rows on --compile-head)  # every lever, CPU too
+# every lever, on the CPU too
+LEVERS=(--verify-workers 0 --static-cache on --pack-groups on --full-rows on --compile-head --compile-layers)
+OPT_IN=(--static-cache flex --compile-head --compile-layers)  # the levers not yet on by default
 SHARED=(--pack-groups off --full-rows off)
 DYNAMIC=(--static-cache off --verify-workers 1)
 E2E=$SCRATCH/e2e
@@ -108,7 +115,7 @@ if [ "$DEVICE" = cuda ]; then
     SMALL_CARD=(--memory-gib 22.5 --prompts-per-step 64)
     TRAIN=(--prompts-per-step 16 --eval-size 32 --max-new-tokens 512)
     EVAL=(--limit 32 --n 4 --k 1,2,4 --max-new-tokens 512)
-    FORMS=(--forms shared-8,shared-32,full-8,full-32,head-8,headc-8 --repeats 2)
+    FORMS=(--forms full-32,layersc-32,head-8,headc-8 --repeats 2)
     DECODE=(--decode-rows 1024)
     ATTN=()
 else  # the rehearsal: 2 small layers with the real vocabulary, a few rows and tokens
@@ -120,7 +127,7 @@ else  # the rehearsal: 2 small layers with the real vocabulary, a few rows and t
     SMALL_CARD=("${DEFAULT[@]}" --memory-gib 22.5)
     TRAIN=(--prompts-per-step 2 --group-size 2 --num-mini-batches 1 --eval-size 2 --max-new-tokens 4)
     EVAL=(--limit 2 --n 2 --k 1,2 --max-new-tokens 4)
-    FORMS=(--tiny --forms shared-2,shared-4,full-2,full-4,head-4,headc-4 --repeats 1 --rows 4 --group-size 2
+    FORMS=(--tiny --forms full-4,layersc-4,head-4,headc-4 --repeats 1 --rows 4 --group-size 2
            --max-prompt-tokens 64 --max-new-tokens 4)
     DECODE=(--tiny --decode-rows 4 --decode-tokens 4 --group-size 2 --max-prompt-tokens 64 --max-new-tokens 4)
     ATTN=(--rows 8 --cache 384 --filled 200 --vocab 4096 --iters 3)
@@ -134,20 +141,22 @@ step probe 60 "$PY" benchmarks/gpu_check.py probe "$OUT/probe.json" --device "$D
 step build 90 "$PY" benchmarks/gpu_check.py build "$STANDIN" --model-dir "$GPU_DIR/model" "${TINY[@]}"
 step step_default 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --json "$OUT/step_default.json"
 step step_dynamic 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${DYNAMIC[@]}" --json "$OUT/step_dynamic.json"
+step step_opt 230 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${OPT_IN[@]}" --json "$OUT/step_opt.json"
 step step_flex 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --static-cache flex --json "$OUT/step_flex.json"
 step decode 150 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
     --forms "" "${DECODE[@]}" --json "$OUT/decode.json"
 step attn 90 "$PY" benchmarks/decode_attention.py --device "$DEVICE" "${ATTN[@]}" --json "$OUT/attn.json"
-step psi_levers 100 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --json "$OUT/psi_levers.json"
-step psi_ckpt 90 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --gradient-checkpointing --json "$OUT/psi_ckpt.json"
+step psi_levers 150 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --json "$OUT/psi_levers.json"
+step psi_ckpt 150 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --gradient-checkpointing --ref-reset-every 2 \
+    --json "$OUT/psi_ckpt.json"
 step e2e_train 110 "$PY" "${README_TRAIN[@]}" --steps 2
 step e2e_resume 80 "$PY" "${README_TRAIN[@]}" --steps 3 --resume
 cp "$E2E/run/metrics.jsonl" "$OUT/e2e_metrics.jsonl" 2>/dev/null
-step e2e_eval 60 "$PY" eval.py --model "$(ls -d "$E2E"/run/checkpoint-* 2>/dev/null | tail -1)" --datasets math500 --data-dir "$GPU_DIR/data" \
-    --device "$DEVICE" "${EVAL[@]}" --out "$E2E/eval"
+step e2e_eval 60 "$PY" eval.py --model "$(ls -d "$E2E"/run/checkpoint-* 2>/dev/null | tail -1)" --datasets math500 \
+    --data-dir "$GPU_DIR/data" --device "$DEVICE" "${EVAL[@]}" --out "$E2E/eval"
 cp "$E2E/eval/metrics.json" "$OUT/e2e_eval.json" 2>/dev/null
 step step_shared 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${SHARED[@]}" --json "$OUT/step_shared.json"
-step forms 90 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
+step forms 150 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
     "${FORMS[@]}" --decode-tokens 0 --json "$OUT/forms.json"
 step step_22g 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --json "$OUT/step_22g.json"
 step step_22g_ckpt 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --gradient-checkpointing --json "$OUT/step_22g_ckpt.json"

@@ -22,6 +22,7 @@ Any pacs.py flag passes through (--micro-batch-size, --gen-batch-prompts, --grad
 benchmarks/gpu_check.sh runs this several times as one prepared GPU check (docs/gpu.md).
 """
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -343,6 +344,7 @@ def main():
         problems = fixed_length_prompts(tokenizer, cfg.prompts_per_step * n_steps, cfg.max_prompt_tokens,
                                         args.data_dir)
     optimizer = pacs.make_optimizer(cfg, model)
+    ref_model = copy.deepcopy(model).eval() if cfg.ref_reset_every != 1 else None  # as pacs.train: a frozen pi_ref
     sample, phase, profiler = pacs.sample, {}, {}
 
     def profile_last_step():  # from the end of the last step's generate call to the end of its update
@@ -358,7 +360,8 @@ def main():
               "allocator_cap_fraction": cap[0] if cap else None,
               "allocator_cap_gib": cap[1] / pacs.GiB if cap else None, "planned_sizes": planned,
               "levers": {k: getattr(cfg, k) for k in ("verify_workers", "pack_groups", "full_rows", "static_cache",
-                                                      "compile_head")},
+                                                      "compile_head", "compile_layers")},
+              "ref_reset_every": cfg.ref_reset_every,
               "verify_processes": workers,
               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     if pacs.static_cache_on(cfg, device.type):  # compile the decode step first, at the run's shapes (not timed)
@@ -375,7 +378,7 @@ def main():
         reset_peak(device)
         try:
             metrics, _ = pacs.train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model,
-                                         sizes=sizes)
+                                         ref_model=ref_model, sizes=sizes)
         except pacs.ConfigError as e:  # a non-finite log-prob, or out of memory at the smallest sizes
             fail(f"step {step}: {e}", args.json, {**result, "steps": rows})
         if "prof" in profiler:

@@ -11,7 +11,7 @@ backward (phase 4) or forward under no_grad (phase 3), in bf16 autocast as pacs.
     body-8        the decoder stack alone (shared-8 without the LM head and log-softmax)
     head-8        the LM head and fp32 log-softmax alone, on 8 x 1024 hidden states
     headc-8       the same with pacs.token_logprobs under torch.compile (fewer passes over the vocabulary?)
-    compiled-*    the same with the decoder under torch.compile (its compile time printed apart)
+    layersc-32    full-32 with the decoder's layers under torch.compile (--compile-layers; its compile time apart)
 
 Each form: one untimed call, then --repeats timed calls; ms per mini-batch and TFLOP/s by gpu_step.update_flops.
 Then torch.profiler over one shared-8 mini-batch (grad and no-grad), and over --decode-tokens decode steps of
@@ -188,9 +188,9 @@ def main():
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--forms", default="shared-8,shared-32,full-8,body-8,head-8,compiled-full-8",
-                    help="comma-separated: {shared,full,body,head,headc,compiled-shared,compiled-full}-ROWS; "
-                    "none: the decode profiles alone")
+    ap.add_argument("--forms", default="shared-8,shared-32,full-8,full-32,body-8,head-8,layersc-32",
+                    help="comma-separated: {shared,full,body,head,headc,layersc}-ROWS; none: the decode profiles "
+                    "alone")
     ap.add_argument("--decode-rows", default="1024,128", help="comma-separated row counts of the decode profiles")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-static", type=int, default=1, help="also profile decode with the static cache (1)")
@@ -218,11 +218,10 @@ def main():
     print(f"{name}: a mini-batch of {args.rows} rows, {args.max_prompt_tokens} + {args.max_new_tokens} tokens; "
           f"{flops / 1e12:.1f} TFLOP forward + backward", flush=True)
     model.train()
-    decoder, compiled = model.base_model, None
     forms = [f for f in args.forms.split(",") if f]  # --forms "": the decode profiles alone
     save = lambda: args.json and json.dump(result, open(args.json, "w"), indent=2)  # noqa: E731 (after each part)
-    for form in [f for f in forms if not f.startswith("compiled")] + ["profiles"] * bool(forms) + ["decode"] + \
-            [f for f in forms if f.startswith("compiled")]:  # the compiled forms last: their compile is the longest
+    for form in [f for f in forms if not f.startswith("layersc")] + ["profiles"] * bool(forms) + ["decode"] + \
+            [f for f in forms if f.startswith("layersc")]:  # the compiled layers last: from there on they stay so
         if form == "profiles":
             profile_update(cfg, model, roll, device, args.top, result)
             save()
@@ -236,13 +235,11 @@ def main():
         kind, micro = form.rsplit("-", 1)
         micro = int(micro)
         part = {"body": "body", "head": "head", "headc": "headc"}.get(kind, "all")
-        route = pacs.Config(**{**vars(cfg), "full_rows": "on" if kind.endswith("full") else "off"})
+        route = pacs.Config(**{**vars(cfg), "full_rows": "on" if kind in ("full", "layersc") else "off"})
         entry = {}
         try:
-            if kind.startswith("compiled"):
-                if compiled is None:
-                    compiled = torch.compile(decoder.forward)
-                decoder.forward = compiled
+            if kind == "layersc" and not getattr(model.base_model, "compiled_layers", False):
+                pacs.compile_layers(model, device)  # as --compile-layers: compiled on the first call, in its time
             for grad in (True, False):
                 first, seconds = time_form(route, model, roll, micro, grad, part, device, args.repeats)
                 key = "fwd_bwd" if grad else "fwd"
@@ -255,7 +252,6 @@ def main():
             entry["error"] = f"{type(e).__name__}: {e}"[:400]
             print(f"{form:18s} failed: {entry['error']}", flush=True)
         finally:
-            decoder.__dict__.pop("forward", None)
             model.zero_grad(set_to_none=True)
         result["forms"][form] = entry
         save()

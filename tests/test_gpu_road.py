@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import types
@@ -390,8 +391,10 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     assert files == ["attn.json", "check.log", "decode.json", "e2e_eval.json", "e2e_metrics.jsonl", "forms.json",
                      "probe.json", "profile.json", "psi_ckpt.json", "psi_levers.json", "results.json", "step_22g.json",
                      "step_22g_ckpt.json", "step_default.json", "step_dynamic.json", "step_flex.json",
-                     "step_profiled.json", "step_shared.json", "summary.md"]  # a call brings back results.json
-    for name in ("probe", "build", "step_default", "step_dynamic", "step_flex", "decode", "attn", "step_shared",
+                     "step_opt.json", "step_profiled.json", "step_shared.json",
+                     "summary.md"]  # a call brings back results.json
+    for name in ("probe", "build", "step_default", "step_opt", "step_dynamic", "step_flex", "decode", "attn",
+                 "step_shared",
                  "psi_levers", "forms", "e2e_train", "e2e_resume", "e2e_eval", "profile", "psi_ckpt", "step_22g",
                  "step_22g_ckpt"):
         assert f"== {name}: exit 0" in log, name
@@ -401,10 +404,11 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
         r = load(name)
         assert r["psi_std_max"] == 0.0 and r["lr"] == 0.0 and r["varied_prompts"] == 60, name
         assert r["levers"] == {"verify_workers": 0, "pack_groups": "on", "full_rows": "on", "static_cache": "on",
-                               "compile_head": True}, name
+                               "compile_head": True, "compile_layers": True}, name
         assert r["verify_processes"] == min(len(os.sched_getaffinity(0)), 16), name  # the pool ran the verifier
     assert load("psi_ckpt")["gradient_checkpointing"] and not load("psi_levers")["gradient_checkpointing"]
-    for name in ("step_default", "step_dynamic", "step_flex", "step_shared", "step_22g", "step_22g_ckpt"):
+    assert load("psi_ckpt")["ref_reset_every"] == 2 and load("psi_levers")["ref_reset_every"] == 1  # a frozen pi_ref
+    for name in ("step_default", "step_opt", "step_dynamic", "step_flex", "step_shared", "step_22g", "step_22g_ckpt"):
         r = load(name)
         for key in ("generate_s", "old_logprobs_s", "update_s", "generated_tokens_per_s", "generate_peak_gib",
                     "update_peak_gib", "plan_generate_gib", "plan_update_gib", "decode_ms_per_token"):
@@ -413,6 +417,8 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     assert load("psi_levers")["compile_s"] > 0 and "compile_s" not in load("step_default")
     assert load("step_dynamic")["levers"]["static_cache"] == "off" and load("step_dynamic")["verify_processes"] == 1
     assert load("step_flex")["levers"]["static_cache"] == "flex"
+    assert load("step_opt")["levers"] == {**load("step_default")["levers"], "static_cache": "flex",
+                                          "compile_head": True, "compile_layers": True}
     attn = load("attn")["forms"]  # cuDNN's kernel is CUDA's only
     assert set(attn) == {"sdpa", "sdpa-filled", "bmm", "bmm-compiled", "flex", "sample-hf", "sample-gumbel"}, attn
     from torch._inductor import cpu_vec_isa
@@ -422,7 +428,9 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
                                                             if not k.startswith("sample"))
     assert set(load("decode")["profiles"]) == {"decode_dynamic_4x4", "decode_static_4x4"}
     assert not load("decode")["forms"]  # --forms "": the decode profiles alone
-    assert load("step_shared")["levers"]["pack_groups"] == "off" and load("forms")["forms"]["full-4"]["fwd_bwd_s"] > 0
+    assert load("step_shared")["levers"]["pack_groups"] == "off"
+    assert set(load("forms")["forms"]) == {"full-4", "layersc-4", "head-4", "headc-4"}
+    assert all(v["fwd_bwd_s"] > 0 for v in load("forms")["forms"].values())
     assert load("step_22g")["memory_gib"] == 22.5 and load("step_22g")["allocator_cap_gib"] is None  # CPU: no cap
     assert load("step_22g_ckpt")["gradient_checkpointing"] and not load("step_22g")["gradient_checkpointing"]
     assert load("profile")["kernels"] and set(load("profile")["phases"]) == {"time_update", "time_old_logprobs",
@@ -434,4 +442,8 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     summary = (out / "summary.md").read_text()
     assert summary == stdout[stdout.index("| check"):]
     assert summary.count("| pass: psi_std 0.0") == 2 and summary.count("| pass: exit 0") == 3
+    for row in (r"--compile-layers: speed-up on one mini-batch \(layersc-4 against full-4\) +\| forward \+ backward",
+                r"--compile-head: speed-up on one mini-batch \(headc-4 against head-4\) +\| forward \+ backward",
+                r"the opt-in levers together: speed-up over the defaults \(same card, same call\) +\| step x\d"):
+        assert re.search(r"\| " + row, summary), row
     assert "FAIL" not in summary and "no result" not in summary

@@ -296,6 +296,87 @@ def test_compiled_head_gives_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(di
     assert pacs.HEAD["compiled"] is not None and counters["stats"]["unique_graphs"] > graphs  # it compiled
 
 
+# ---- --compile-layers --------------------------------------------------------------------------------------------
+def counted_compile(monkeypatch):
+    """torch.compile, counting the calls of what it returns: {"calls": n}."""
+    calls, compile_ = {"calls": 0}, torch.compile
+
+    def counting(fn, **kwargs):
+        compiled = compile_(fn, **kwargs)
+
+        def call(*args, **kw):
+            calls["calls"] += 1
+            return compiled(*args, **kw)
+        return call
+    monkeypatch.setattr(torch, "compile", counting)
+    return calls
+
+
+@pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
+def test_compiled_layers_give_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(digit_model, digit_rollout, const7_file,
+                                                                               tmp_path, monkeypatch, cpu_inductor):
+    """--compile-layers: full rows' log-probs and gradient as the eager layers give them (fp32, left-padded rows),
+    phase 3's log-probs equal to phase 4's bit for bit, generate and the shared prompt's cached forwards left eager;
+    runs at --lr 0 under bf16 autocast keep psi exactly 0 on full rows, and on the checkpointing route with a
+    frozen pi_ref (--ref-reset-every 2) and the compiled head."""
+    monkeypatch.setitem(pacs.HEAD, "compiled", None)  # restored after the second run below sets it
+    calls = counted_compile(monkeypatch)
+    roll, _ = digit_rollout
+    full = {"group_size": 4, "shared_prompt": False, "mask_right_padding": False}
+    args = (roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"], roll["response_mask"], 1.5)
+    out = []
+    for compiled in (False, True):
+        model, tok = pacs.load_model(digit_model)
+        if compiled:
+            pacs.compile_layers(model, torch.device("cpu"))
+        lp, _ = pacs.response_logprobs(model, *args, **full)
+        lp.sum().backward()
+        with torch.no_grad():  # phase 3
+            lp_old, _ = pacs.response_logprobs(model, *args, **full)
+        out.append((lp.detach(), lp_old, [p.grad.clone() for p in model.parameters()]))
+    (lp, lp_old, grads), (lp_c, lp_old_c, grads_c) = out
+    assert calls["calls"] == 2 * 2  # both layers, in both phases
+    assert torch.equal(lp_old_c, lp_c) and torch.equal(lp_old, lp)
+    torch.testing.assert_close(lp_c, lp, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():  # a KV cache: eager
+        pacs.response_logprobs(model, *args, group_size=4)
+        pacs.sample(model, tok, [pacs.build_prompt(tok, "1 + 6 =")], group_size=2, max_new_tokens=3)
+    assert calls["calls"] == 4
+    run = ["--model", digit_model, "--dataset", const7_file, "--group-size", "8", "--prompts-per-step", "8",
+           "--num-mini-batches", "2", "--micro-batch-size", "16", "--steps", "2", "--lr", "0", "--autocast", "bf16",
+           "--rollout-dtype", "bf16", "--max-new-tokens", "4", "--temperature", "1.5", "--eval-every", "0",
+           "--log-samples-every", "0", "--compile-layers"]
+    for name, route in (("full", ["--full-rows", "on"]),
+                        ("ckpt", ["--gradient-checkpointing", "--ref-reset-every", "2", "--compile-head"])):
+        before = calls["calls"]
+        pacs.main(run + route + ["--out-dir", str(tmp_path / name)])
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+        assert any(r["mixed_groups"] > 0 for r in rows)  # a gradient was computed (and applied with lr 0)
+        assert all(r["psi_mean"] == 0.0 and r["psi_std"] == 0.0 for r in rows), name
+        assert calls["calls"] > before  # the layers ran compiled
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
+def test_compile_layers_says_when_the_run_leaves_them_eager(tiny_model_dir, capsys):
+    """The shared prompt's forwards run on its KV cache, where the layers stay eager: a run on that route says so."""
+    for route, said in (([], True), (["--full-rows", "on"], False), (["--gradient-checkpointing"], False)):
+        cfg = pacs.parse_args(["--model", tiny_model_dir, "--device", "cpu", "--compile-layers", *route])
+        model, *_ = pacs.setup_model(cfg, tiny_model_dir, torch.device("cpu"))
+        assert model.base_model.compiled_layers
+        assert ("--compile-layers acts on full rows' forwards" in capsys.readouterr().err) == said, route
+
+
+def test_compile_layers_needs_a_list_of_layers(tiny_model_dir):
+    model, _ = pacs.load_model(tiny_model_dir)
+    del model.base_model.layers
+    with pytest.raises(pacs.ConfigError, match="--compile-layers needs a decoder with a list of layers; Qwen2Model"):
+        pacs.compile_layers(model, torch.device("cpu"))
+
+
 # ---- --verify-workers --------------------------------------------------------------------------------------------
 def verify_cases(n):
     with open(os.path.join(ROOT, "tests", "verify_cases.jsonl")) as f:
