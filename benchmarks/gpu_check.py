@@ -307,7 +307,8 @@ def summary_rows(out):
                                       f"{r['update_s']:.1f}; decode {_num(r.get('decode_ms_per_token'), '.1f')} ms "
                                       f"a token; updates {_num(r.get('update_mfu') and 100 * r['update_mfu'], '.1f')}"
                                       f"% "
-                                      f"of the card; compile {_num(r.get('compile_s'), '.0f')} s"))
+                                      f"of the card; compile: decode step {_num(r.get('compile_s'), '.0f')} s, "
+                                      f"log-prob forwards {_num(r.get('compile_update_s'), '.0f')} s"))
         over = [ph for ph in ("generate", "update") if r[f"{ph}_over_plan"] > 1]
         rows.append((f"{what}: peaks", ("FAIL: over the plan" if over else "within the plan")
                      + f": generate {r['generate_peak_gib']:.2f} GiB (plan {r['plan_generate_gib']:.2f}, "

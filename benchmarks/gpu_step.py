@@ -262,6 +262,25 @@ def time_generate(args, cfg, sample, rollout_model, tokenizer, problems, sizes, 
             json.dump({**result, "generate_calls": calls}, f, indent=2)
 
 
+def compile_log_prob_forwards(cfg, sample, model, rollout_model, tokenizer, problems, sizes, device):
+    """--compile-layers' and --compile-head's graphs compiled before the timed steps: phase 3 (eval, no grad) and phase
+    4 (train, forward and backward) on one micro-batch of 4-token responses to the run's prompts, on the run's route.
+    Their graphs are dynamic, so the steps' shapes reuse them; the weights are left as they were. The responses come
+    from the dynamic KV cache: another batch shape would compile the static cache's decode step again."""
+    groups = max(1, sizes.micro_batch_size // cfg.group_size)
+    prompts = [pacs.build_prompt(tokenizer, p["problem"]) for p in problems[:groups]]
+    roll = sample(rollout_model, tokenizer, prompts, cfg.group_size, 4)
+    roll = {k: v.to(device) for k, v in roll.items()}
+    rows = slice(0, min(sizes.micro_batch_size, roll["response_ids"].shape[0]))
+    with pacs.autocast_context(cfg, device):
+        with torch.no_grad():
+            pacs.step_logprobs(cfg, model, roll, rows, sizes, with_entropy=True)
+        model.train()
+        pacs.step_logprobs(cfg, model, roll, rows, sizes)[0].sum().backward()
+    model.eval()
+    model.zero_grad(set_to_none=True)
+
+
 def fail(message, path, result):
     """One line on stderr and exit 1; the results so far (with the error) still go to --json."""
     if path:
@@ -371,6 +390,12 @@ def main():
                cache_tokens=pacs.cache_tokens(cfg, device))
         result["compile_s"] = time.time() - t0
         print(f"static cache: the decode step compiled (a 4-token generate call) in {result['compile_s']:.1f} s")
+    if cfg.compile_layers or cfg.compile_head:  # their graphs too, first and apart (they are dynamic in the shape)
+        t0 = time.time()
+        compile_log_prob_forwards(cfg, sample, model, rollout_model, tokenizer, problems, sizes, device)
+        result["compile_update_s"] = time.time() - t0
+        print(f"--compile-layers/--compile-head: phases 3 and 4 compiled (one micro-batch, 4 tokens) in "
+              f"{result['compile_update_s']:.1f} s")
     if args.generate_only:
         return time_generate(args, cfg, sample, rollout_model, tokenizer, problems, sizes, device, result, n_steps)
     rows = []

@@ -415,6 +415,7 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
             assert r[key] > 0, (name, key)
         assert r["steps"][0]["generate_peak_bytes"] > 0 and r["steps"][0]["update_peak_bytes"] > 0
     assert load("psi_levers")["compile_s"] > 0 and "compile_s" not in load("step_default")
+    assert load("psi_levers")["compile_update_s"] > 0 and "compile_update_s" not in load("step_default")
     assert load("step_dynamic")["levers"]["static_cache"] == "off" and load("step_dynamic")["verify_processes"] == 1
     assert load("step_flex")["levers"]["static_cache"] == "flex"
     assert load("step_opt")["levers"] == {**load("step_default")["levers"], "static_cache": "flex",
