@@ -606,7 +606,7 @@ def train(cfg):
     problems, eval_problems = training_problems(cfg, tokenizer)  # prompts that fit; the held-out set
     optimizer = make_optimizer(cfg, model)
     critic, critic_optimizer = value_model_and_optimizer(cfg, resume_from, device)  # PPO's; else None, None
-    # PACS's frozen pi_ref (None: pi_ref = pi_old): an fp32 copy out of the optimizer, on pi_old's route and graph
+    # PACS's frozen pi_ref (None: pi_ref = pi_old): an fp32 copy out of the optimizer, on pi_old's route and graphs
     ref_model = copy.deepcopy(model).eval() if cfg.ref_reset_every != 1 else None
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     start, sizes = restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, sizes, metrics_path)
@@ -1399,6 +1399,12 @@ def generate_folded(model, generation_config, **inputs):
     again: the log-prob forwards never see it. The compiled decode step sees one name throughout: one compile."""
     if model.config._attn_implementation != "sdpa":
         return generate_exactly(model, generation_config, **inputs)
+    if DECODE["attention"] == "flex":  # a static graph per batch shape (the eval's, an OOM's halving): compiled with
+        # a dynamic batch, inductor's flex_attention does not build on the CPU (torch 2.13), and is untried on CUDA
+        from transformers import CompileConfig
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.compile_config = copy.deepcopy(generation_config.compile_config) or CompileConfig()
+        generation_config.compile_config.dynamic = False
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
     AttentionInterface.register(FOLDED_GQA, folded_gqa_attention)
@@ -1529,13 +1535,11 @@ def response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask,
         mask = attn
         if not mask_right_padding:  # the real tokens precede the padding: only left padding needs a mask
             mask = None if bool(prompt_mask.all()) else F.pad(prompt_mask, (0, T), value=1)  # (b, Lp + T) or None
-        run = lambda: decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids,  # noqa: E731
-                              use_cache=False).last_hidden_state  # (b, Lp + T, H)
+        kwargs = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids, "use_cache": False}
         if torch.is_grad_enabled() or not getattr(decoder, "compiled_layers", False):
-            hidden = run()
-        else:  # --compile-layers, phase 3: phase 4's graph, grad on and nothing kept (as head_logprobs does)
-            with torch.enable_grad():
-                hidden = checkpoint(run, use_reentrant=False).detach()
+            hidden = decoder(**kwargs).last_hidden_state  # (b, Lp + T, H)
+        else:  # --compile-layers, phase 3 (and pi_ref): phase 4's compiled graph, which nothing else would give
+            hidden = as_in_training(decoder, kwargs)
         hidden = hidden[:, Lp - 1:-1]  # (b, T, H): position Lp-1+t predicts t
     else:
         # Shared prompt: one forward over the b/G distinct prompts (with grad), its KV cache repeated G times
@@ -1618,9 +1622,9 @@ def compile_layers(model, device):
     """--compile-layers: the decoder's layers run their class's forward under torch.compile wherever they are called
     without a KV cache: the log-prob forwards of full rows (--full-rows, --gradient-checkpointing); generate and the
     shared prompt's cached forwards stay eager. One graph serves every layer, its weights the graph's inputs
-    (regional compilation: a layer's compile, not the whole decoder's), dynamic in rows and length. psi = 0 at --lr 0
-    needs phases 3 and 4 on one graph: response_hidden runs phase 3's forward with grad too, inside checkpoint (no
-    activation kept), and detaches it; a frozen pi_ref keeps requires_grad for the same reason (train)."""
+    (regional compilation: a layer's compile, not the whole decoder's), dynamic in rows and length (one row, and a
+    mask or none, are graphs of their own). psi = 0 at --lr 0 needs phases 3 and 4 on the same graph: response_hidden
+    runs phase 3's forward as phase 4 runs it (as_in_training), and a frozen pi_ref keeps requires_grad (train)."""
     import functools
     import inspect
     layers = getattr(model.base_model, "layers", None)
@@ -1643,6 +1647,20 @@ def compile_layers(model, device):
     for layer in layers:
         layer.forward = functools.partial(layer_forward, layer, layer.forward)
     model.base_model.compiled_layers = True
+
+
+def as_in_training(decoder, kwargs):
+    """decoder(**kwargs)'s last hidden state (b, L, H), detached, computed as phase 4 computes it: in training mode,
+    with grad, inside checkpoint (no activation kept, nothing backpropagated). Under --compile-layers the compiled
+    graph depends on both (the attention reads self.training; a graph without grad fuses on its own): phase 3's
+    log-probs, and pi_ref's, then equal phase 4's bit for bit, and psi = 0 at --lr 0."""
+    training = decoder.training
+    decoder.train()
+    try:
+        with torch.enable_grad():
+            return checkpoint(lambda: decoder(**kwargs).last_hidden_state, use_reentrant=False).detach()
+    finally:
+        decoder.train(training)
 
 
 def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask, group_size=1, shared_prompt=True,
@@ -2394,8 +2412,8 @@ def setup_model(cfg, path, device):
         rollout_model = rollout_copy(model, rollout_torch_dtype(cfg, device.type)).eval()
     if cfg.compile_layers:  # the training model's layers (the rollout copy's stay eager: its decode step compiles)
         compile_layers(model, device)
-        if not (sizes.full_rows or cfg.gradient_checkpointing):
-            print("[compile] --compile-layers acts on full rows' forwards; this run shares each group's prompt (its "
+        if not (sizes.full_rows or cfg.gradient_checkpointing or sizes.micro_batch_size == 1):
+            print("[compile] --compile-layers acts on full rows' forwards; the plan shares each group's prompt (its "
                   "KV cache: eager), so the layers run eager: add --full-rows on", file=sys.stderr)
     return model, rollout_model, tokenizer, sizes
 

@@ -265,11 +265,13 @@ def time_generate(args, cfg, sample, rollout_model, tokenizer, problems, sizes, 
 def compile_log_prob_forwards(cfg, sample, model, rollout_model, tokenizer, problems, sizes, device):
     """--compile-layers' and --compile-head's graphs compiled before the timed steps: phase 3 (eval, no grad) and phase
     4 (train, forward and backward) on one micro-batch of 4-token responses to the run's prompts, on the run's route.
-    Their graphs are dynamic, so the steps' shapes reuse them; the weights are left as they were. The responses come
-    from the dynamic KV cache: another batch shape would compile the static cache's decode step again."""
+    Their graphs are dynamic, so the steps' shapes reuse them; the weights and the random state are left as they
+    were. The responses come from the dynamic KV cache: another batch shape would compile the static cache's decode
+    step again."""
     groups = max(1, sizes.micro_batch_size // cfg.group_size)
     prompts = [pacs.build_prompt(tokenizer, p["problem"]) for p in problems[:groups]]
-    roll = sample(rollout_model, tokenizer, prompts, cfg.group_size, 4)
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):  # as if
+        roll = sample(rollout_model, tokenizer, prompts, cfg.group_size, 4)  # never called: the steps' samples
     roll = {k: v.to(device) for k, v in roll.items()}
     rows = slice(0, min(sizes.micro_batch_size, roll["response_ids"].shape[0]))
     with pacs.autocast_context(cfg, device):

@@ -3,6 +3,7 @@ samples, --verify-workers gives the in-process verdicts and leaves no process be
 several groups in a micro-batch, --full-rows gives the shared prompt's log-probs and gradient (auto: where the plan
 fits them on CUDA), every step logs the time of its eval and of the checkpoint before it, eval.py sizes
 its batch from the memory plan on CUDA, and the prepared check's summary reads FAIL where a check failed."""
+import copy
 import json
 import os
 import shutil
@@ -209,7 +210,7 @@ def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_mode
                                                                        cpu_inductor):
     """The CUDA road's decode step, compiled, on the CPU (transformers compiles it on CUDA only, unless told to):
     the folded heads, under SDPA or flex_attention (--static-cache flex), give the dynamic cache's tokens for the
-    same seed."""
+    same seed, and flex at a second batch shape too."""
     from transformers import CompileConfig
     if attention == "flex" and compiled_flex_skip():
         pytest.skip(compiled_flex_skip())
@@ -236,6 +237,21 @@ def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_mode
     for key in dynamic:
         assert torch.equal(dynamic[key], compiled[key]), key
     assert bool(traced) == (attention == "flex")  # traced into the compiled decode step (flex), or never called
+    if attention == "sdpa":
+        return
+    # a second batch shape (an eval's, an OOM's halving) compiles the step again, statically: compiled for a dynamic
+    # batch, flex does not build on the CPU. Without the spy, whose list dynamo guards (every call recompiled, until
+    # its limit sends the step to eager)
+    monkeypatch.setattr(pacs, "flex_decode_attention", flex)
+    torch._dynamo.reset()
+    pacs.sample(model, tok, prompts, 4, 12, 1.5, cache_tokens=80)
+    torch.manual_seed(1)
+    compiled = pacs.sample(model, tok, prompts[:1], 4, 12, 1.5, cache_tokens=80)
+    monkeypatch.setattr(pacs, "rollout_generation_config", config)
+    torch.manual_seed(1)
+    dynamic = pacs.sample(model, tok, prompts[:1], 4, 12, 1.5)
+    for key in dynamic:
+        assert torch.equal(dynamic[key], compiled[key]), key
 
 
 def test_static_cache_length_is_one_shape_for_the_run():
@@ -298,66 +314,85 @@ def test_compiled_head_gives_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(di
 
 # ---- --compile-layers --------------------------------------------------------------------------------------------
 def counted_compile(monkeypatch):
-    """torch.compile, counting the calls of what it returns: {"calls": n}."""
-    calls, compile_ = {"calls": 0}, torch.compile
+    """torch.compile, counting the calls of what it returns by the compiled function's name: {name: calls}."""
+    calls, compile_ = {}, torch.compile
 
     def counting(fn, **kwargs):
         compiled = compile_(fn, **kwargs)
 
         def call(*args, **kw):
-            calls["calls"] += 1
+            calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
             return compiled(*args, **kw)
         return call
     monkeypatch.setattr(torch, "compile", counting)
     return calls
 
 
+def graphs():
+    """How many graphs dynamo has compiled in this process."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
 @pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
 def test_compiled_layers_give_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(digit_model, digit_rollout, const7_file,
                                                                                tmp_path, monkeypatch, cpu_inductor):
-    """--compile-layers: full rows' log-probs and gradient as the eager layers give them (fp32, left-padded rows),
-    phase 3's log-probs equal to phase 4's bit for bit, generate and the shared prompt's cached forwards left eager;
-    runs at --lr 0 under bf16 autocast keep psi exactly 0 on full rows, and on the checkpointing route with a
-    frozen pi_ref (--ref-reset-every 2) and the compiled head."""
+    """--compile-layers: full rows' log-probs and gradient (plain and checkpointed) as the eager layers give them
+    (fp32, left-padded rows); phase 3 (eval, no grad) runs phase 4's graph (train, grad: no graph of its own) and
+    gives its log-probs bit for bit; a deep copy (pi_ref) calls its own layers; generate and the shared prompt's cached
+    forwards stay eager. Runs at --lr 0 under bf16 autocast keep psi exactly 0 on full rows, and on the checkpointing
+    route against a frozen pi_ref (--ref-reset-every 2) with the compiled head."""
     monkeypatch.setitem(pacs.HEAD, "compiled", None)  # restored after the second run below sets it
     calls = counted_compile(monkeypatch)
     roll, _ = digit_rollout
     full = {"group_size": 4, "shared_prompt": False, "mask_right_padding": False}
     args = (roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"], roll["response_mask"], 1.5)
-    out = []
-    for compiled in (False, True):
+    out = {}
+    for compiled, ckpt in ((False, False), (True, False), (True, True)):
         model, tok = pacs.load_model(digit_model)
+        if ckpt:
+            model.activation_checkpointing_enable()
         if compiled:
             pacs.compile_layers(model, torch.device("cpu"))
+        model.train()  # phase 4
         lp, _ = pacs.response_logprobs(model, *args, **full)
         lp.sum().backward()
+        model.eval()
+        before = graphs()
         with torch.no_grad():  # phase 3
             lp_old, _ = pacs.response_logprobs(model, *args, **full)
-        out.append((lp.detach(), lp_old, [p.grad.clone() for p in model.parameters()]))
-    (lp, lp_old, grads), (lp_c, lp_old_c, grads_c) = out
-    assert calls["calls"] == 2 * 2  # both layers, in both phases
-    assert torch.equal(lp_old_c, lp_c) and torch.equal(lp_old, lp)
-    torch.testing.assert_close(lp_c, lp, rtol=1e-5, atol=1e-5)
-    for a, b in zip(grads_c, grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        assert graphs() == before, (compiled, ckpt)  # phase 4's graph
+        out[compiled, ckpt] = (lp.detach(), lp_old, [p.grad.clone() for p in model.parameters()])
+    assert calls == {"forward": 2 * (2 + 3)}  # 2 layers: phases 4 and 3, and 4's recomputation when checkpointed
+    lp, lp_old, grads = out[False, False]
+    assert torch.equal(lp_old, lp)
+    for key in ((True, False), (True, True)):
+        lp_c, lp_old_c, grads_c = out[key]
+        assert torch.equal(lp_old_c, lp_c), key
+        torch.testing.assert_close(lp_c, lp, rtol=1e-5, atol=1e-5)
+        for a, b in zip(grads_c, grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    ref = copy.deepcopy(model)
+    assert all(layer.forward.args[0] is layer and layer.forward.args[1].__self__ is layer
+               for layer in ref.base_model.layers)
     with torch.no_grad():  # a KV cache: eager
         pacs.response_logprobs(model, *args, group_size=4)
         pacs.sample(model, tok, [pacs.build_prompt(tok, "1 + 6 =")], group_size=2, max_new_tokens=3)
-    assert calls["calls"] == 4
+    assert calls == {"forward": 10}
     run = ["--model", digit_model, "--dataset", const7_file, "--group-size", "8", "--prompts-per-step", "8",
            "--num-mini-batches", "2", "--micro-batch-size", "16", "--steps", "2", "--lr", "0", "--autocast", "bf16",
            "--rollout-dtype", "bf16", "--max-new-tokens", "4", "--temperature", "1.5", "--eval-every", "0",
            "--log-samples-every", "0", "--compile-layers"]
     for name, route in (("full", ["--full-rows", "on"]),
                         ("ckpt", ["--gradient-checkpointing", "--ref-reset-every", "2", "--compile-head"])):
-        before = calls["calls"]
+        before = calls["forward"]
         pacs.main(run + route + ["--out-dir", str(tmp_path / name)])
         with open(tmp_path / name / "metrics.jsonl") as f:
             rows = [json.loads(line) for line in f]
         assert any(r["mixed_groups"] > 0 for r in rows)  # a gradient was computed (and applied with lr 0)
         assert all(r["psi_mean"] == 0.0 and r["psi_std"] == 0.0 for r in rows), name
-        assert calls["calls"] > before  # the layers ran compiled
+        assert calls["forward"] > before  # the layers ran compiled
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
