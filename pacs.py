@@ -1402,8 +1402,8 @@ def generate_folded(model, generation_config, **inputs):
     if DECODE["attention"] == "flex":  # a static graph per batch shape (the eval's, an OOM's halving): compiled with
         # a dynamic batch, inductor's flex_attention does not build on the CPU (torch 2.13), and is untried on CUDA
         from transformers import CompileConfig
-        generation_config = copy.deepcopy(generation_config)
-        generation_config.compile_config = copy.deepcopy(generation_config.compile_config) or CompileConfig()
+        generation_config = copy.deepcopy(generation_config)  # its compile_config too: the caller's stays as it was
+        generation_config.compile_config = generation_config.compile_config or CompileConfig()
         generation_config.compile_config.dynamic = False
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
@@ -2412,7 +2412,8 @@ def setup_model(cfg, path, device):
         rollout_model = rollout_copy(model, rollout_torch_dtype(cfg, device.type)).eval()
     if cfg.compile_layers:  # the training model's layers (the rollout copy's stay eager: its decode step compiles)
         compile_layers(model, device)
-        if not (sizes.full_rows or cfg.gradient_checkpointing or sizes.micro_batch_size == 1):
+        route = step_route(cfg, slice(0, sizes.micro_batch_size), sizes)  # response_hidden's: a cache if shared
+        if route["shared_prompt"] and route["group_size"] > 1:
             print("[compile] --compile-layers acts on full rows' forwards; the plan shares each group's prompt (its "
                   "KV cache: eager), so the layers run eager: add --full-rows on", file=sys.stderr)
     return model, rollout_model, tokenizer, sizes

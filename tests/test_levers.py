@@ -276,6 +276,12 @@ def test_static_cache_is_priced_by_the_plan():
 
 
 # ---- --compile-head ----------------------------------------------------------------------------------------------
+def graphs():
+    """How many graphs dynamo has compiled in this process."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
 @pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
 def test_compiled_head_gives_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(digit_model, digit_rollout, const7_file,
@@ -299,8 +305,7 @@ def test_compiled_head_gives_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(di
     torch.testing.assert_close(ent_c, ent, rtol=1e-5, atol=1e-5)
     for a, b in zip(grads_c, grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    from torch._dynamo.utils import counters
-    graphs = counters["stats"]["unique_graphs"]
+    before = graphs()
     pacs.main(["--model", digit_model, "--dataset", const7_file, "--out-dir", str(tmp_path / "run"), "--group-size",
                "8", "--prompts-per-step", "8", "--num-mini-batches", "2", "--micro-batch-size", "16", "--steps", "2",
                "--lr", "0", "--autocast", "bf16", "--rollout-dtype", "bf16", "--max-new-tokens", "4",
@@ -309,7 +314,7 @@ def test_compiled_head_gives_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(di
         rows = [json.loads(line) for line in f]
     assert any(r["mixed_groups"] > 0 for r in rows)  # a gradient was computed (and applied with lr 0)
     assert all(r["psi_mean"] == 0.0 and r["psi_std"] == 0.0 for r in rows)
-    assert pacs.HEAD["compiled"] is not None and counters["stats"]["unique_graphs"] > graphs  # it compiled
+    assert pacs.HEAD["compiled"] is not None and graphs() > before  # it compiled
 
 
 # ---- --compile-layers --------------------------------------------------------------------------------------------
@@ -326,12 +331,6 @@ def counted_compile(monkeypatch):
         return call
     monkeypatch.setattr(torch, "compile", counting)
     return calls
-
-
-def graphs():
-    """How many graphs dynamo has compiled in this process."""
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
 
 
 @pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
