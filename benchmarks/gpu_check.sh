@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check of pacs.py, for a short loan of a GPU machine (docs/gpu.md: how to prepare and run it).
 #
-#   bash benchmarks/gpu_check.sh OUT                 # on the GPU machine: about 19 minutes on an H200 in all
+#   bash benchmarks/gpu_check.sh OUT                 # on the GPU machine: the steps below that fit 470 s
 #   GPU_CHECK_STEPS="e2e_train e2e_resume e2e_eval" bash benchmarks/gpu_check.sh OUT   # those steps only
 #   bash benchmarks/gpu_check.sh OUT --device cpu    # the rehearsal on a CPU: the same steps at a tiny shape
 # GPU_CHECK_BUDGET: seconds for all steps (a step that would start with under 20 s left is skipped, and said).
@@ -12,33 +12,36 @@
 # its own `timeout` and writes its JSON into OUT; a step that fails or times out is recorded and the next one runs.
 #   probe          versions, the card, SDPA's kernels on rows of padding, the allocator's settings
 #   step_default   the defaults at the default shape: time split, tokens/s, generate and update peaks vs the plan
-#   step_dynamic   the same with the dynamic KV cache and the verifier in this process (--static-cache off
-#                  --verify-workers 1): against step_default, generate's and the verifier's ratios
 #   step_opt       the same with every opt-in lever on (--static-cache flex --compile-head --compile-layers
 #                  --sampler gumbel): against step_default, the ratio of each phase
-#   step_flex      the same with --static-cache flex (the decode attention reads the cache's filled blocks only):
-#                  against step_default, generate's ratio
-#   decode         ms a decode step at 1,024 rows, the dynamic cache and the static one (compiled), with profiles
-#   attn           one decode step's attention and sampling at 1,024 rows in each form (decode_attention.py)
 #   psi_levers     psi at --lr 0 with every lever on (--compile-head --compile-layers --sampler gumbel too),
 #                  prompts of varied length (left padding): psi_std exactly 0
 #   psi_ckpt       psi at --lr 0 with every lever on, --gradient-checkpointing, against a frozen pi_ref
 #                  (--ref-reset-every 2: the reference copy's forwards)
-#   e2e_train, e2e_resume, e2e_eval   the README's commands end to end: 2 steps with a held-out eval and a
-#                  checkpoint each, a resumed step, eval.py on the checkpoint (each under its own time limit)
-#   step_shared    the default step with one group per micro-batch and the shared prompt (--pack-groups off
-#                  --full-rows off)
-#   forms          one mini-batch's update in each form (benchmarks/update_forms.py): --compile-layers' and
-#                  --compile-head's own ratios (layersc-32 against full-32, headc-8 against head-8)
 #   step_22g       the defaults at --memory-gib 22.5 under a real allocator cap (a 24 GB card's limit)
 #   step_22g_ckpt  the same with --gradient-checkpointing, where the plan takes 16 rows of full rows, not 2
+#   e2e_train, e2e_resume, e2e_eval   the README's commands end to end: 2 steps with a held-out eval and a
+#                  checkpoint each, a resumed step, eval.py on the checkpoint (each under its own time limit)
+#   forms          one mini-batch's update in each form (benchmarks/update_forms.py): --compile-layers' and
+#                  --compile-head's own ratios (layersc-32 against full-32, headc-8 against head-8)
+#   attn           one decode step's attention and sampling at 1,024 rows in each form (decode_attention.py)
+#   step_flex      the default step with --static-cache flex (the decode attention reads the cache's filled blocks
+#                  only): against step_default, generate's ratio
+#   step_dynamic   the default step with the dynamic KV cache and the verifier in this process (--static-cache off
+#                  --verify-workers 1): against step_default, generate's and the verifier's ratios
+#   decode         ms a decode step at 1,024 rows, the dynamic cache and the static one (compiled), with profiles
+#   step_shared    the default step with one group per micro-batch and the shared prompt (--pack-groups off
+#                  --full-rows off)
 #   profile        torch.profiler over a smaller default step's verify, old log-probs and updates
+# They run in this order, what the targets and exactness need first, what an H200 has measured last: a call runs
+# those that fit its budget (the default: 470 s, a call of 8 minutes) and names the others as skipped, for the next
+# call to ask for by name (GPU_CHECK_STEPS).
 # With CUDA --pack-groups, --full-rows, --static-cache and --verify-workers are on by default: step_shared and
 # step_dynamic against step_default give their ratios, phase by phase, on one card in one call. The opt-in levers
 # (--static-cache flex, --compile-head, --compile-layers, --sampler gumbel): step_opt against step_default all
-# together, forms and attn each alone. Then OUT/summary.md (a table with a verdict per check: a missing or nonzero psi, a peak over its
-# plan or a failed command reads FAIL) and OUT/results.json (every step's JSON in one file: a GPU loan brings back
-# at most 8 files).
+# together, forms and attn each alone. Then OUT/summary.md (a table with a verdict per check: a missing or nonzero
+# psi, a peak over its plan or a failed command reads FAIL) and OUT/results.json (every step's JSON in one file: a GPU
+# loan brings back at most 8 files).
 set -u
 usage="usage: bash benchmarks/gpu_check.sh OUT_DIR [--device cuda|cpu]"
 OUT=${1:?$usage}
@@ -141,26 +144,26 @@ cd "$ROOT" || exit 2
 step probe 60 "$PY" benchmarks/gpu_check.py probe "$OUT/probe.json" --device "$DEVICE"
 step build 90 "$PY" benchmarks/gpu_check.py build "$STANDIN" --model-dir "$GPU_DIR/model" "${TINY[@]}"
 step step_default 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --json "$OUT/step_default.json"
-step step_dynamic 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${DYNAMIC[@]}" --json "$OUT/step_dynamic.json"
 step step_opt 230 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${OPT_IN[@]}" --json "$OUT/step_opt.json"
-step step_flex 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --static-cache flex --json "$OUT/step_flex.json"
-step decode 150 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
-    --forms "" "${DECODE[@]}" --json "$OUT/decode.json"
-step attn 90 "$PY" benchmarks/decode_attention.py --device "$DEVICE" "${ATTN[@]}" --json "$OUT/attn.json"
 step psi_levers 150 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --json "$OUT/psi_levers.json"
 step psi_ckpt 150 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --gradient-checkpointing --ref-reset-every 2 \
     --json "$OUT/psi_ckpt.json"
+step step_22g 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --json "$OUT/step_22g.json"
+step step_22g_ckpt 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --gradient-checkpointing --json "$OUT/step_22g_ckpt.json"
 step e2e_train 110 "$PY" "${README_TRAIN[@]}" --steps 2
 step e2e_resume 80 "$PY" "${README_TRAIN[@]}" --steps 3 --resume
 cp "$E2E/run/metrics.jsonl" "$OUT/e2e_metrics.jsonl" 2>/dev/null
 step e2e_eval 60 "$PY" eval.py --model "$(ls -d "$E2E"/run/checkpoint-* 2>/dev/null | tail -1)" --datasets math500 \
     --data-dir "$GPU_DIR/data" --device "$DEVICE" "${EVAL[@]}" --out "$E2E/eval"
 cp "$E2E/eval/metrics.json" "$OUT/e2e_eval.json" 2>/dev/null
-step step_shared 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${SHARED[@]}" --json "$OUT/step_shared.json"
 step forms 150 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
     "${FORMS[@]}" --decode-tokens 0 --json "$OUT/forms.json"
-step step_22g 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --json "$OUT/step_22g.json"
-step step_22g_ckpt 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --gradient-checkpointing --json "$OUT/step_22g_ckpt.json"
+step attn 90 "$PY" benchmarks/decode_attention.py --device "$DEVICE" "${ATTN[@]}" --json "$OUT/attn.json"
+step step_flex 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --static-cache flex --json "$OUT/step_flex.json"
+step step_dynamic 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${DYNAMIC[@]}" --json "$OUT/step_dynamic.json"
+step decode 150 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
+    --forms "" "${DECODE[@]}" --json "$OUT/decode.json"
+step step_shared 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${SHARED[@]}" --json "$OUT/step_shared.json"
 step profile 70 "$PY" "${STEP[@]}" "${PROFILE[@]}" --profile "$OUT/profile.json" --json "$OUT/step_profiled.json"
 echo "== total ${SECONDS} s" | tee -a "$LOG"
 "$PY" benchmarks/gpu_check.py summary "$OUT"

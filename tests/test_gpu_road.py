@@ -398,6 +398,10 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
                  "psi_levers", "forms", "e2e_train", "e2e_resume", "e2e_eval", "profile", "psi_ckpt", "step_22g",
                  "step_22g_ckpt"):
         assert f"== {name}: exit 0" in log, name
+    ran = [name for name in re.findall(r"^== (\w+) \(timeout", log, re.M) if name != "build"]
+    with open(os.path.join(ROOT, "docs", "gpu.md"), encoding="utf-8") as f:  # the step table's rows, in order
+        documented = re.findall(r"`(\w+)`", "".join(re.findall(r"^(\| `\w+`[^|]*)\|", f.read(), re.M)))
+    assert ran == documented  # the order docs/gpu.md gives: what a call's budget cuts comes last
     load = lambda name: json.loads((out / f"{name}.json").read_text())
     assert load("probe")["missing_apis"] == [] and load("probe")["sdpa"]["MATH"]["padding_rows_finite"]
     for name in ("psi_levers", "psi_ckpt"):
