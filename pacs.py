@@ -1311,19 +1311,24 @@ def gumbel_max_generation(generation_config, inputs):
     (docs/gpu.md). Returns (the greedy config, inputs with the processors)."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
     config = copy.deepcopy(generation_config)  # its compile_config too: the caller's stays as it was
+    warpers = {"top_k": (None, 0), "min_p": (None, 0.0), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0),
+               "eta_cutoff": (None, 0.0), "top_h": (None,)}  # greedy decoding would drop them: the rollouts set none
+    kept = [f"{k}={getattr(config, k)}" for k, off in warpers.items() if getattr(config, k, None) not in off]
+    if kept:
+        raise ValueError(f"--sampler gumbel draws with temperature and top-p only; this config also sets {kept}")
     tau, top_p = config.temperature, config.top_p
     config.do_sample, config.temperature, config.top_p, config.top_k = False, 1.0, 1.0, None
-    if GUMBEL["noise"] is None:
-        if inputs["input_ids"].device.type == "cpu":
-            scalar_cpu_compile()
-        GUMBEL["noise"] = torch.compile(gumbel_noised)
+    if inputs["input_ids"].device.type == "cpu":
+        scalar_cpu_compile()  # inductor's scalar code on a CPU without a vector ISA
+    GUMBEL["noise"] = GUMBEL["noise"] or torch.compile(gumbel_noised)
     noise = GumbelNoise(tau if top_p >= 1.0 else 1.0)
     cut = [TemperatureLogitsWarper(tau), TopPLogitsWarper(top_p)] if top_p < 1.0 else []
     return config, {**inputs, "logits_processor": LogitsProcessorList(cut + [noise])}
 
 
 def gumbel_noised(scores, temperature):  # (B, V) fp32 -> (B, V): its argmax per row ~ softmax(scores / temperature)
-    uniform = torch.rand_like(scores).clamp_(min=torch.finfo(scores.dtype).tiny)  # (B, V) in (0, 1): log(0) never
+    tiny, eps = torch.finfo(scores.dtype).tiny, torch.finfo(scores.dtype).eps
+    uniform = torch.rand_like(scores).clamp_(tiny, 1.0 - eps / 2)  # (B, V) in (0, 1): never log(0) nor -log(1) = 0
     return scores / temperature - torch.log(-torch.log(uniform))
 
 

@@ -291,6 +291,8 @@ def summary_rows(out):
     for name, what in (("step_default", "default step, the defaults"),
                        ("step_dynamic", "default step, --static-cache off --verify-workers 1"),
                        ("step_opt", "default step, every opt-in lever (flex, compiled head and layers, gumbel)"),
+                       ("step_off", "default step, every lever off (--pack-groups, --full-rows, --static-cache off, "
+                                    "--verify-workers 1)"),
                        ("step_flex", "default step, --static-cache flex"),
                        ("step_shared", "default step, one group per micro-batch, shared prompt"),
                        ("step_22g", "--memory-gib 22.5, the defaults"),
@@ -339,6 +341,7 @@ def summary_rows(out):
     ratios = speed_up("step_default", "step_flex", "step", "generate")
     if ratios:
         rows.append(("--static-cache flex: speed-up over the defaults (same card, same call)", ratios))
+    rows += target_rows(steps, rows)
     attn = load("attn")
     if attn and "error" not in attn:  # one decode step's attention (x layers) and sampling, in each form
         rows.append(("decode forms: a step's attention | sampling, ms", " | ".join(
@@ -383,6 +386,46 @@ def summary_rows(out):
         top = ", ".join(f"{k['name'][:40]} {100 * k['share']:.0f}%" for k in p.get("kernels", [])[:3])
         rows.append(("profile", f"{phases} | top: {top}"))
     return rows
+
+
+TARGETS = {"step": 2.5, "update_share": 0.30, "decode_ms": 10.0, "small_card": 2.0}  # docs/gpu.md's targets
+
+
+def target_rows(steps, rows):
+    """One row per target of docs/gpu.md, read from this call's steps: 'met' or 'short' with its numbers, or 'not
+    measured' and the steps it needs. The step's target is against every lever off (step_off); the 22.5 GiB one
+    against that card's defaults (step_22g), which already hold the default levers: a lower bound."""
+    ran = {k: v for k, v in steps.items() if v and "error" not in v}
+
+    def row(what, measured, ok, numbers, needs):
+        return what, (("met: " if ok else "short: ") + numbers) if measured else f"not measured: needs {needs}"
+    speed = [(ran["step_off"]["step_s"] / ran[k]["step_s"], k) for k in ("step_default", "step_opt")
+             if "step_off" in ran and k in ran]
+    shares = [(ran[k]["update_mfu"], k) for k in ("step_default", "step_opt") if ran.get(k, {}).get("update_mfu")]
+    decode = [(ran[k]["decode_ms_per_token"], k) for k in ("step_default", "step_opt", "step_flex")
+              if ran.get(k, {}).get("decode_ms_per_token")]
+    small = ran["step_22g"]["step_s"] / ran["step_22g_ckpt"]["step_s"] if {"step_22g", "step_22g_ckpt"} <= set(ran) \
+        else None
+    psi = [v for k, v in rows if k.startswith("psi_std at --lr 0")]
+    return [
+        row(f"target: the default step x{TARGETS['step']} faster than every lever off (same call)", bool(speed),
+            speed and max(speed)[0] >= TARGETS["step"], ", ".join(f"{k} x{r:.2f}" for r, k in speed),
+            "step_off, and step_default or step_opt"),
+        row(f"target: updates at {100 * TARGETS['update_share']:.0f}% of the card or more", bool(shares),
+            shares and max(shares)[0] >= TARGETS["update_share"], ", ".join(f"{k} {100 * v:.1f}%" for v, k in shares),
+            "step_default or step_opt on a card of known peak"),
+        row(f"target: a decode step in {TARGETS['decode_ms']:.0f} ms or less (the default step's rows)", bool(decode),
+            decode and min(decode)[0] <= TARGETS["decode_ms"], ", ".join(
+                f"{k} {v:.1f} ms ({ran[k]['gen_batch_prompts']} prompts a call)" for v, k in decode),
+            "step_default, step_opt or step_flex"),
+        row(f"target: --memory-gib 22.5 x{TARGETS['small_card']:.0f} faster (step_22g over step_22g_ckpt)",
+            small is not None, small is not None and small >= TARGETS["small_card"], f"x{small or 0:.2f}",
+            "step_22g and step_22g_ckpt"),
+        row("target: psi exactly 0 at --lr 0 on every route", bool(psi),
+            psi and all(v.startswith("pass") for v in psi),
+            ", ".join(f"{name} {v.split(':')[0]}" for name, v in zip(("psi_levers", "psi_ckpt"), psi)),
+            "psi_levers and psi_ckpt"),
+    ]
 
 
 def summary(out):

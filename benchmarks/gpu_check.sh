@@ -18,6 +18,8 @@
 #                  prompts of varied length (left padding): psi_std exactly 0
 #   psi_ckpt       psi at --lr 0 with every lever on, --gradient-checkpointing, against a frozen pi_ref
 #                  (--ref-reset-every 2: the reference copy's forwards)
+#   step_off       the default step with every lever off (--pack-groups off --full-rows off --static-cache off
+#                  --verify-workers 1): the baseline of the step's target (step_default and step_opt against it)
 #   step_22g       the defaults at --memory-gib 22.5 under a real allocator cap (a 24 GB card's limit)
 #   step_22g_ckpt  the same with --gradient-checkpointing, where the plan takes 16 rows of full rows, not 2
 #   e2e_train, e2e_resume, e2e_eval   the README's commands end to end: 2 steps with a held-out eval and a
@@ -33,9 +35,10 @@
 #   step_shared    the default step with one group per micro-batch and the shared prompt (--pack-groups off
 #                  --full-rows off)
 #   profile        torch.profiler over a smaller default step's verify, old log-probs and updates
-# They run in this order, what the targets and exactness need first, what an H200 has measured last: a call runs
-# those that fit its budget (the default: 470 s, a call of 8 minutes) and names the others as skipped, for the next
-# call to ask for by name (GPU_CHECK_STEPS).
+# They run in this order: what the targets and exactness need first, then the README's commands, then each lever
+# alone and what earlier calls measured. A call runs those that fit its budget (the default: 470 s, a call of 8
+# minutes) and names the others as skipped (or timed out, where the budget cut a step's limit), for the next call to
+# ask for by name (GPU_CHECK_STEPS).
 # With CUDA --pack-groups, --full-rows, --static-cache and --verify-workers are on by default: step_shared and
 # step_dynamic against step_default give their ratios, phase by phase, on one card in one call. The opt-in levers
 # (--static-cache flex, --compile-head, --compile-layers, --sampler gumbel): step_opt against step_default all
@@ -101,6 +104,16 @@ step() {
     echo "== $name: exit $rc after $((SECONDS - start)) s$([ $rc -eq 124 ] && echo ' (timed out)')" | tee -a "$LOG"
 }
 
+# after_train NAME SECONDS CMD...: step, where this call's e2e_train left a checkpoint (a resume of nothing would run
+# from step 0 and exit 0); a second call that asks for e2e_resume or e2e_eval asks for e2e_train too
+after_train() {
+    if ls -d "$E2E"/run/checkpoint-* > /dev/null 2>&1 || { [ -n "$ONLY" ] && [[ " $ONLY " != *" $1 "* ]]; }; then
+        step "$@"
+    else
+        echo "== $1: skipped, no checkpoint of e2e_train in this call" | tee -a "$LOG"
+    fi
+}
+
 STANDIN=$SCRATCH/standin
 STEP=(benchmarks/gpu_step.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE"
       --warmup-steps 0 --timed-steps 1)
@@ -110,6 +123,7 @@ LEVERS=(--verify-workers 0 --static-cache on --pack-groups on --full-rows on --c
 OPT_IN=(--static-cache flex --compile-head --compile-layers --sampler gumbel)  # the levers not yet on by default
 SHARED=(--pack-groups off --full-rows off)
 DYNAMIC=(--static-cache off --verify-workers 1)
+OFF=("${SHARED[@]}" "${DYNAMIC[@]}")  # every lever off: pacs.py's defaults before the levers, the targets' baseline
 E2E=$SCRATCH/e2e
 if [ "$DEVICE" = cuda ]; then
     TINY=()
@@ -148,13 +162,14 @@ step step_opt 230 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${OPT_IN[@]}" --json "$OUT
 step psi_levers 150 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --json "$OUT/psi_levers.json"
 step psi_ckpt 150 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --gradient-checkpointing --ref-reset-every 2 \
     --json "$OUT/psi_ckpt.json"
+step step_off 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${OFF[@]}" --json "$OUT/step_off.json"
 step step_22g 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --json "$OUT/step_22g.json"
 step step_22g_ckpt 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --gradient-checkpointing --json "$OUT/step_22g_ckpt.json"
 step e2e_train 110 "$PY" "${README_TRAIN[@]}" --steps 2
-step e2e_resume 80 "$PY" "${README_TRAIN[@]}" --steps 3 --resume
+after_train e2e_resume 80 "$PY" "${README_TRAIN[@]}" --steps 3 --resume
 cp "$E2E/run/metrics.jsonl" "$OUT/e2e_metrics.jsonl" 2>/dev/null
-step e2e_eval 60 "$PY" eval.py --model "$(ls -d "$E2E"/run/checkpoint-* 2>/dev/null | tail -1)" --datasets math500 \
-    --data-dir "$GPU_DIR/data" --device "$DEVICE" "${EVAL[@]}" --out "$E2E/eval"
+after_train e2e_eval 60 "$PY" eval.py --model "$(ls -d "$E2E"/run/checkpoint-* 2>/dev/null | tail -1)" \
+    --datasets math500 --data-dir "$GPU_DIR/data" --device "$DEVICE" "${EVAL[@]}" --out "$E2E/eval"
 cp "$E2E/eval/metrics.json" "$OUT/e2e_eval.json" 2>/dev/null
 step forms 150 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
     "${FORMS[@]}" --decode-tokens 0 --json "$OUT/forms.json"

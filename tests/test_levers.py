@@ -269,6 +269,8 @@ def test_gumbel_sampler_samples_what_transformers_samples(digit_model, monkeypat
     tokens again for the same seed (a resumed run's), and greedy decoding (the held-out eval's) as it was."""
     from transformers import TopPLogitsWarper
     model, tok = pacs.load_model(digit_model)
+    with torch.no_grad():  # the tiny model's next token is near uniform: a peaked law, so that a wrong one is seen
+        model.get_output_embeddings().weight.mul_(20)
     prompt = pacs.build_prompt(tok, "12 + 3 =")
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
@@ -287,6 +289,10 @@ def test_gumbel_sampler_samples_what_transformers_samples(digit_model, monkeypat
     again = pacs.sample(model, tok, [prompt, "1 + 6 ="], 1, 8, greedy=True)
     for key in greedy:
         assert torch.equal(greedy[key], again[key]), key
+    config = pacs.rollout_generation_config(4, top_p=top_p)
+    config.top_k = 5  # a warper that greedy decoding would drop: refused
+    with pytest.raises(ValueError, match=r"temperature and top-p only.*top_k=5"):
+        pacs.gumbel_max_generation(config, {"input_ids": ids})
     pacs.setup_model(pacs.parse_args(["--sampler", "gumbel", "--device", "cpu"]), digit_model, torch.device("cpu"))
     assert pacs.DECODE["sampler"] == "gumbel"
     pacs.setup_model(pacs.parse_args(["--device", "cpu"]), digit_model, torch.device("cpu"))
@@ -745,6 +751,35 @@ def step_json(**over):
          "generate_peak_gib": 1.0, "plan_generate_gib": 2.0, "generate_over_plan": 0.5, "update_peak_gib": 1.0,
          "plan_update_gib": 2.0, "update_over_plan": 0.5, "micro_batch_size": 8, "gen_batch_prompts": 4}
     return {**r, **over}
+
+
+def test_the_checks_summary_reads_each_target_met_short_or_not_measured(tmp_path):
+    """A row per target of docs/gpu.md, at its threshold: the step against every lever off (step_off), the updates'
+    share of the card, a decode step's ms, --memory-gib 22.5 with checkpointing against without, psi on both routes."""
+    import gpu_check
+
+    def targets():
+        rows = gpu_check.summary_rows(str(tmp_path))
+        return [v for k, v in rows if k.startswith("target:")]
+    assert targets()[:4] == ["not measured: needs step_off, and step_default or step_opt",
+                             "not measured: needs step_default or step_opt on a card of known peak",
+                             "not measured: needs step_default, step_opt or step_flex",
+                             "not measured: needs step_22g and step_22g_ckpt"]
+    assert targets()[4] == "short: psi_levers FAIL, psi_ckpt FAIL"  # psi missing
+    write(tmp_path / "step_off.json", step_json(step_s=80.0))
+    write(tmp_path / "step_default.json", step_json(step_s=40.0, update_mfu=0.2, decode_ms_per_token=12.0))
+    write(tmp_path / "step_opt.json", step_json(step_s=32.0, update_mfu=0.3, decode_ms_per_token=10.0))
+    write(tmp_path / "step_22g.json", step_json(step_s=100.0))
+    write(tmp_path / "step_22g_ckpt.json", step_json(step_s=50.0))
+    for name in ("psi_levers", "psi_ckpt"):
+        write(tmp_path / f"{name}.json", {"psi_std_max": 0.0})
+    assert targets() == ["met: step_default x2.00, step_opt x2.50", "met: step_default 20.0%, step_opt 30.0%",
+                         "met: step_default 12.0 ms (4 prompts a call), step_opt 10.0 ms (4 prompts a call)",
+                         "met: x2.00", "met: psi_levers pass, psi_ckpt pass"]
+    write(tmp_path / "step_opt.json", step_json(step_s=32.1, update_mfu=0.299, decode_ms_per_token=10.1))
+    write(tmp_path / "step_22g_ckpt.json", step_json(step_s=50.1))
+    write(tmp_path / "psi_ckpt.json", {"psi_std_max": 1e-7})
+    assert [v.split(":")[0] for v in targets()] == ["short"] * 5
 
 
 def test_the_checks_summary_reads_fail_for_a_missing_or_nonzero_psi_and_a_peak_over_its_plan(tmp_path):
