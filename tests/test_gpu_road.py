@@ -414,7 +414,8 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
         r = load(name)
         assert r["psi_std_max"] == 0.0 and r["lr"] == 0.0 and r["varied_prompts"] == 60, name
         assert r["levers"] == {"verify_workers": 0, "pack_groups": "on", "full_rows": "on", "static_cache": "on",
-                               "compile_head": True, "compile_layers": True, "sampler": "gumbel"}, name
+                               "compile_head": True, "compile_layers": True, "sampler": "gumbel",
+                               "defer_stop_check": True}, name
         assert r["verify_processes"] == min(len(os.sched_getaffinity(0)), 16), name  # the pool ran the verifier
     assert load("psi_ckpt")["gradient_checkpointing"] and not load("psi_levers")["gradient_checkpointing"]
     assert load("psi_ckpt")["ref_reset_every"] == 2 and load("psi_levers")["ref_reset_every"] == 1  # a frozen pi_ref
@@ -432,7 +433,8 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     assert load("step_off")["levers"] == {**load("step_default")["levers"], "pack_groups": "off", "full_rows": "off",
                                           "static_cache": "off", "verify_workers": 1}
     assert load("step_opt")["levers"] == {**load("step_default")["levers"], "static_cache": "flex",
-                                          "compile_head": True, "compile_layers": True, "sampler": "gumbel"}
+                                          "compile_head": True, "compile_layers": True, "sampler": "gumbel",
+                                          "defer_stop_check": True}
     attn = load("attn")["forms"]  # cuDNN's kernel is CUDA's only
     assert set(attn) == {"sdpa", "sdpa-filled", "bmm", "bmm-compiled", "flex", "sample-hf", "sample-gumbel"}, attn
     from torch._inductor import cpu_vec_isa

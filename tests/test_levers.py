@@ -299,6 +299,58 @@ def test_gumbel_sampler_samples_what_transformers_samples(digit_model, monkeypat
     assert pacs.DECODE["sampler"] == "multinomial"
 
 
+# ---- --defer-stop-check -----------------------------------------------------------------------------------------
+class HostEvent:
+    """torch.Event where the CPU has none (transformers' DeferredStopCheck records one per step): on the CPU the
+    copies it would wait for are done when they return."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("cache_tokens", [0, 80])
+def test_deferred_stop_check_gives_the_tokens_of_the_check_each_step(digit_model, monkeypatch, cache_tokens):
+    """--defer-stop-check: generate's stop read a step late (transformers' DeferredStopCheck, run on the CPU with a
+    stand-in for CUDA's events) gives the tokens of the check at each step for a seed, where every row stops before
+    the limit (the step run too many is undone), on the dynamic and the static cache; transformers' own rule is back
+    after the call, after an error too; setup_model turns it on with CUDA only."""
+    from transformers.generation import utils as generation_utils
+    check = generation_utils.DeferredStopCheck
+    rule, finish = check.__dict__["is_supported"], check.finish
+    model, tok = pacs.load_model(digit_model)
+    prompts = [pacs.build_prompt(tok, "1 + 6 =")]
+    torch.manual_seed(3)
+    plain = pacs.sample(model, tok, prompts, 2, 40, cache_tokens=cache_tokens)
+    assert not plain["truncated"].any()  # every row stops before the limit: the deferred check runs a step too many
+    undone = []
+    monkeypatch.setattr(torch, "Event", HostEvent)
+    monkeypatch.setattr(check, "finish", lambda self: undone.append(finish(self)) or undone[-1])
+    monkeypatch.setitem(pacs.DECODE, "defer_stop", True)
+    torch.manual_seed(3)
+    deferred = pacs.sample(model, tok, prompts, 2, 40, cache_tokens=cache_tokens)
+    assert undone == [1]  # deferred, and the extra step undone
+    for key in plain:
+        assert torch.equal(plain[key], deferred[key]), key
+    assert check.__dict__["is_supported"] is rule
+    monkeypatch.setattr(model, "generate", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        pacs.generate_exactly(model, pacs.rollout_generation_config(4), input_ids=deferred["prompt_ids"])
+    assert check.__dict__["is_supported"] is rule
+    pacs.setup_model(pacs.parse_args(["--defer-stop-check", "--device", "cpu"]), digit_model, torch.device("cpu"))
+    assert pacs.DECODE["defer_stop"] is False  # the CPU: nothing to wait for
+    monkeypatch.setattr(pacs, "load_model", lambda *a: 1 / 0)  # past the point where the flag is read
+    monkeypatch.setattr(pacs, "set_cuda_kernels", lambda: None)
+    with pytest.raises(ZeroDivisionError):
+        pacs.setup_model(pacs.parse_args(["--defer-stop-check"]), digit_model, torch.device("cuda"))
+    assert pacs.DECODE["defer_stop"] is True
+
+
 def test_static_cache_length_is_one_shape_for_the_run():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert pacs.cache_tokens(pacs.Config(max_prompt_tokens=512, max_new_tokens=1024), cuda) == 1536  # auto: on CUDA
