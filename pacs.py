@@ -1337,10 +1337,7 @@ def gumbel_max_generation(generation_config, inputs):
         raise ValueError(f"--sampler gumbel draws with temperature and top-p only; this config also sets {kept}")
     tau, top_p = config.temperature, config.top_p
     config.do_sample, config.temperature, config.top_p, config.top_k = False, 1.0, 1.0, None
-    if inputs["input_ids"].device.type == "cpu":
-        scalar_cpu_compile()  # inductor's scalar code on a CPU without a vector ISA
-    GUMBEL["noise"] = GUMBEL["noise"] or torch.compile(gumbel_noised)
-    noise = GumbelNoise(tau if top_p >= 1.0 else 1.0)
+    noise = GumbelNoise(tau if top_p >= 1.0 else 1.0, inputs["input_ids"].device)
     cut = [TemperatureLogitsWarper(tau), TopPLogitsWarper(top_p)] if top_p < 1.0 else []
     return config, {**inputs, "logits_processor": LogitsProcessorList(cut + [noise])}
 
@@ -1355,9 +1352,13 @@ GUMBEL = {"noise": None}  # gumbel_noised under torch.compile, built at the firs
 
 
 class GumbelNoise:
-    """A logits processor (transformers calls it with the step's ids and fp32 scores): the compiled gumbel_noised."""
+    """A logits processor (transformers calls it with the step's ids and fp32 scores): the compiled gumbel_noised,
+    compiled once for the process (GUMBEL)."""
 
-    def __init__(self, temperature):
+    def __init__(self, temperature, device):
+        if device.type == "cpu":
+            scalar_cpu_compile()  # inductor's scalar code on a CPU without a vector ISA
+        GUMBEL["noise"] = GUMBEL["noise"] or torch.compile(gumbel_noised)
         self.temperature = temperature
 
     def __call__(self, input_ids, scores):  # (B, L), (B, V) -> (B, V)

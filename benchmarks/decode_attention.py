@@ -73,9 +73,8 @@ def sample_hf(logits, temperature=1.0):  # (B, V) bf16 -> (B,): what transformer
     return torch.multinomial(F.softmax(scores, -1), 1).squeeze(1)
 
 
-def sample_gumbel(logits, temperature=1.0):  # --sampler gumbel in transformers' greedy step: the same distribution
-    scores = logits.to(dtype=torch.float32, copy=True)
-    return pacs.GUMBEL["noise"](scores, temperature).argmax(-1)  # pacs.gumbel_noised, compiled
+def sample_gumbel(logits, noise):  # --sampler gumbel in transformers' greedy step: the same distribution
+    return noise(None, logits.to(dtype=torch.float32, copy=True)).argmax(-1)  # noise: a pacs.GumbelNoise
 
 
 def timed(fn, args, iters, device):
@@ -147,9 +146,8 @@ def main():
         entry = {}
         try:
             if form.startswith("sample"):
-                pacs.GUMBEL["noise"] = pacs.GUMBEL["noise"] or torch.compile(pacs.gumbel_noised)  # as the lever
-                fn = sample_hf if form == "sample-hf" else sample_gumbel
-                entry["ms"] = timed(fn, (logits,), args.iters, device)
+                call = (logits,) if form == "sample-hf" else (logits, pacs.GumbelNoise(1.0, device))
+                entry["ms"] = timed(sample_hf if form == "sample-hf" else sample_gumbel, call, args.iters, device)
                 print(f"{form:14s} {entry['ms']:8.3f} ms a step's sampling", flush=True)
             elif attention[form] is None:  # cuDNN's kernel off CUDA
                 continue
