@@ -44,13 +44,15 @@ from scipy import stats
 import torch
 from tqdm.auto import tqdm
 
+import levers
 import pacs
-from pacs import ConfigError, flag
+import plumbing
+from plumbing import ConfigError, flag
 from verify import extract_answer
 
 
 @dataclass
-class EvalConfig:  # flags parsed by pacs.parse_flags (HfArgumentParser), as pacs.py's Config
+class EvalConfig:  # flags parsed by plumbing.parse_flags (HfArgumentParser), as pacs.py's Config
     model: str = flag("", "hub id, local dir or checkpoint, .gguf file, or 'smollm2'")
     protocol: Literal["default", "v2"] = flag(
         "default", "the value of --datasets, --n, --k, --temperature, --top-p and --max-new-tokens left "
@@ -105,7 +107,7 @@ PROTOCOLS = {
            "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 8192},
 }
 
-# Presets for evaluation only (no training split), in pacs.PRESETS's layout: (hub id, hub config,
+# Presets for evaluation only (no training split), in plumbing.PRESETS's layout: (hub id, hub config,
 # {split: hub split}, problem column, answer column, {split: offline file under --data-dir}). BeyondAIME,
 # v2's hardest set: ByteDance-Seed/BeyondAIME, one "test" split of 100 problems with integer answers.
 EVAL_PRESETS = {
@@ -230,13 +232,13 @@ def batch_seed(seed, dataset, first_id):
 def sample_batch(model, tokenizer, batch, args, cache_tokens=0):
     """n responses to each problem of batch, at most --batch-size sequences per generate call.
     Returns one (texts, lengths, truncated) per problem, each a list of n."""
-    prompts = [pacs.build_prompt(tokenizer, p["problem"]) for p in batch]
+    prompts = [plumbing.build_prompt(tokenizer, p["problem"]) for p in batch]
     g = min(args.n, args.batch_size)  # samples per prompt per call; n > batch_size (one prompt): several calls
     out = [([], [], []) for _ in batch]
     for s in range(0, args.n, g):
         G = min(g, args.n - s)
         roll = pacs.sample(model, tokenizer, prompts, G, args.max_new_tokens, args.temperature, args.top_p,
-                           batch_prompts=len(prompts), cache_tokens=cache_tokens)
+                           batch_prompts=len(prompts), lv=levers.Levers(cache_tokens=cache_tokens))
         ids, mask = roll["response_ids"].cpu(), roll["response_mask"].cpu()  # (len(batch)*G, T)
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)  # pacs.sample pads after the first EOS
         lengths, trunc = mask.sum(1).tolist(), roll["truncated"].tolist()
@@ -247,21 +249,21 @@ def sample_batch(model, tokenizer, batch, args, cache_tokens=0):
 
 
 def load_problems(name, data_dir="", problem_key="", answer_key=""):
-    """The test split of a preset (pacs.PRESETS or EVAL_PRESETS), a local file or the synthetic task, read
-    by pacs.load_problems: the same hub code, offline copies and errors. That function looks presets up in
-    pacs.PRESETS, so the evaluation-only ones are added there for the call and taken out again."""
-    added = [key for key in EVAL_PRESETS if key not in pacs.PRESETS]
-    pacs.PRESETS.update({key: EVAL_PRESETS[key] for key in added})
+    """The test split of a preset (plumbing.PRESETS or EVAL_PRESETS), a local file or the synthetic task, read
+    by plumbing.load_problems: the same hub code, offline copies and errors. That function looks presets up in
+    plumbing.PRESETS, so the evaluation-only ones are added there for the call and taken out again."""
+    added = [key for key in EVAL_PRESETS if key not in plumbing.PRESETS]
+    plumbing.PRESETS.update({key: EVAL_PRESETS[key] for key in added})
     try:
-        return pacs.load_problems(name, "test", data_dir, problem_key, answer_key)
+        return plumbing.load_problems(name, "test", data_dir, problem_key, answer_key)
     finally:
         for key in added:
-            del pacs.PRESETS[key]
+            del plumbing.PRESETS[key]
 
 
 def load_datasets(args):
     data = {}
-    presets = {*pacs.PRESETS, *EVAL_PRESETS, "synthetic"}
+    presets = {*plumbing.PRESETS, *EVAL_PRESETS, "synthetic"}
     for name in [d.strip() for d in args.datasets.split(",") if d.strip()]:
         label = name if name in presets else os.path.splitext(os.path.basename(name))[0]
         if label in data:
@@ -287,19 +289,19 @@ def changed_settings(path, settings):
 def planned_batch_size(args, device, prompt_tokens, saved):
     """--batch-size 0: the first run's (config.json's `batch_size`, so that a resumed run forms the same seeded
     batches), else on CUDA the most sequences (a power of two, at most 4,096) whose generate call fits the memory
-    plan (pacs.memory_plan's generate terms at the longest prompt, beside the bf16 weights), else 64."""
+    plan (plumbing.memory_plan's generate terms at the longest prompt, beside the bf16 weights), else 64."""
     if saved:
         return saved
     if device.type != "cuda":
         return 64
-    config = pacs.load_model_config(args.model)
-    n_params = pacs.count_parameters(config)
+    config = plumbing.load_model_config(args.model)
+    n_params = plumbing.count_parameters(config)
     cfg = pacs.Config(group_size=1, max_prompt_tokens=prompt_tokens, max_new_tokens=args.max_new_tokens,
                       rollout_dtype="bf16", static_cache="on" if args.static_cache else "off")
-    budget = pacs.plan_budget("cuda", pacs.device_memory("cuda")) - 2 * n_params  # the weights load after this
+    budget = plumbing.plan_budget("cuda", plumbing.device_memory("cuda")) - 2 * n_params  # the weights load after this
     fits = [1]
     for rows in (2 ** i for i in range(1, 13)):
-        parts = pacs.memory_plan(cfg, config, n_params, "cuda", 1, rows)
+        parts = plumbing.memory_plan(cfg, config, n_params, "cuda", 1, rows)
         if parts["peak: generate"] - parts["state (held throughout)"] <= budget:  # the generate call's own terms
             fits.append(rows)
     return fits[-1]
@@ -340,7 +342,7 @@ def evaluate(args):
     if not args.model:
         raise ConfigError("--model is required (or --report DIR ... to compare finished runs)")
     ks = parse_ks(args.k, args.n)
-    trackers = pacs.report_targets(args.report_to)
+    trackers = plumbing.report_targets(args.report_to)
     data = load_datasets(args)  # bad names fail here, before the model loads
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "samples.jsonl")
@@ -348,14 +350,14 @@ def evaluate(args):
     saved_batch_size = check_run_config(args, bool(done))
     total = sum(len(p) for p in data.values())
     if len(done) < total:
-        device = pacs.resolve_device(args.device)
+        device = plumbing.resolve_device(args.device)
         if device.type == "cuda":  # generate on the kernels of pacs.py's rollouts
-            pacs.set_cuda_kernels()
-        model, tokenizer = pacs.load_model(args.model, device, torch.bfloat16 if device.type == "cuda" else
+            plumbing.set_cuda_kernels()
+        model, tokenizer = plumbing.load_model(args.model, device, torch.bfloat16 if device.type == "cuda" else
                                            torch.float32)
         prompt_tokens = 0  # the longest prompt, counted only where the plan or the static cache needs it
         if args.static_cache or (args.batch_size == 0 and not saved_batch_size and device.type == "cuda"):
-            prompt_tokens = max(len(tokenizer(pacs.build_prompt(tokenizer, p["problem"]), add_special_tokens=False)
+            prompt_tokens = max(len(tokenizer(plumbing.build_prompt(tokenizer, p["problem"]), add_special_tokens=False)
                                     ["input_ids"]) for problems in data.values() for p in problems)
         cache_tokens = prompt_tokens + args.max_new_tokens if args.static_cache else 0
         if args.batch_size == 0:
@@ -422,7 +424,7 @@ def report_summary(trackers, args, metrics):
         row.update({f"{name}/avg@n": m["avg@n"], f"{name}/avg@n_ci95_low": m["avg@n_ci95"][0],
                     f"{name}/avg@n_ci95_high": m["avg@n_ci95"][1], f"{name}/mean_length": m["mean_length"],
                     f"{name}/truncated": m["truncated"], f"{name}/problems": m["problems"]})
-    run = pacs.Trackers(trackers, args.out, dataclasses.asdict(args))
+    run = plumbing.Trackers(trackers, args.out, dataclasses.asdict(args))
     run.log(row)
     run.close()
 
@@ -491,7 +493,7 @@ def report(dirs, out_png):
 # Main
 # =====================================================================================================
 def parse_args(argv=None):
-    return pacs.parse_flags(EvalConfig, __doc__.split("\n")[0], argv)
+    return plumbing.parse_flags(EvalConfig, __doc__.split("\n")[0], argv)
 
 
 def main(argv=None):

@@ -17,6 +17,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import levers  # noqa: E402
 import pacs  # noqa: E402
 import verify  # noqa: E402
 
@@ -38,16 +39,16 @@ def main():
     for workers in args.workers:
         verify._CACHE.clear()
         t0 = time.time()
-        n = pacs.set_verify_workers(workers)
-        start = time.time() - t0
+        pool = levers.VerifierPool(workers)
+        n, start = pool.workers, time.time() - t0
         times = []
         for _ in range(args.rounds):
             t0 = time.time()
-            rewards = pacs.reward_fn(responses, answers)
+            rewards = pacs.reward_fn(responses, answers, pool)
             times.append(time.time() - t0)
             reference = rewards if reference is None else reference
             assert (rewards == reference).all(), f"workers {n}: verdicts differ"
-        pacs.stop_verify_workers()
+        pool.close()
         print(f"workers {n:2d}: pool start {start:.2f} s | rounds " + " ".join(f"{t:.2f}" for t in times)
               + " s | verdicts equal")
 

@@ -6,16 +6,16 @@ sampling over the vocabulary in fp32 (~3 ms). This times one layer's attention f
 sampling, at the default run's shape (1,024 rows, Qwen2.5-0.5B's 2 K/V heads of 7 query heads each, 64 dims, a
 cache of 512 + 1024 positions of which --filled are written; 151,936 tokens), in these forms:
 
-    sdpa           pacs.folded_gqa_attention's call as the run makes it: SDPA under a boolean mask over the whole
+    sdpa           levers.folded_gqa_attention's call as the run makes it: SDPA under a boolean mask over the whole
                    cache, math and cuDNN off (the memory-efficient kernel on CUDA)
     sdpa-cudnn     the same call with cuDNN's kernel allowed
     sdpa-filled    the same over the --filled positions only: what attending to the filled positions saves
     bmm            two batched matmuls and a masked softmax in fp32, eager
     bmm-compiled   the same under torch.compile
-    flex           pacs.flex_decode_attention (--static-cache flex) under torch.compile: flex_attention with a block
+    flex           levers.flex_decode_attention (--static-cache flex) under torch.compile: flex_attention with a block
                    mask built from the boolean mask, blocks of 128 positions with no key to attend never read
     sample-hf      transformers' sampling: the logits to fp32, softmax, torch.multinomial
-    sample-gumbel  --sampler gumbel's draw of the same distribution: the logits to fp32, pacs.gumbel_noised
+    sample-gumbel  --sampler gumbel's draw of the same distribution: the logits to fp32, levers.gumbel_noised
                    (logits / tau plus Gumbel noise, one compiled pass), argmax
 
 Each attention form's largest difference from an fp32 reference over the filled positions is printed beside its
@@ -38,7 +38,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import pacs  # noqa: E402
+import levers  # noqa: E402
+import plumbing  # noqa: E402
 
 
 def decode_inputs(rows, kv_heads, groups, head_dim, cache, filled, dtype, device, seed=0):
@@ -74,7 +75,7 @@ def sample_hf(logits, temperature=1.0):  # (B, V) bf16 -> (B,): what transformer
 
 
 def sample_gumbel(logits, noise):  # --sampler gumbel in transformers' greedy step: the same distribution
-    return noise(None, logits.to(dtype=torch.float32, copy=True)).argmax(-1)  # noise: a pacs.GumbelNoise
+    return noise(None, logits.to(dtype=torch.float32, copy=True)).argmax(-1)  # noise: a levers.GumbelNoise
 
 
 def timed(fn, args, iters, device):
@@ -106,7 +107,7 @@ def sdpa_cudnn(*args):
 def attention_forms(device):
     """name -> the function of each attention form (None: not on this device), under the run's kernel settings."""
     return {"sdpa": sdpa, "sdpa-cudnn": sdpa_cudnn if device.type == "cuda" else None, "sdpa-filled": sdpa,
-            "bmm": bmm, "bmm-compiled": torch.compile(bmm), "flex": torch.compile(pacs.flex_decode_attention)}
+            "bmm": bmm, "bmm-compiled": torch.compile(bmm), "flex": torch.compile(levers.flex_decode_attention)}
 
 
 def main():
@@ -126,8 +127,8 @@ def main():
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
-        pacs.set_cuda_kernels()  # the run's: TF32, math and cuDNN SDPA off
-    scalar = device.type == "cpu" and pacs.scalar_cpu_compile()  # no vector ISA: inductor's scalar code
+        plumbing.set_cuda_kernels()  # the run's: TF32, math and cuDNN SDPA off
+    scalar = device.type == "cpu" and levers.scalar_cpu_compile()  # no vector ISA: inductor's scalar code
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     inputs = decode_inputs(args.rows, args.kv_heads, args.groups, args.head_dim, args.cache, args.filled, dtype,
                            device)
@@ -146,7 +147,7 @@ def main():
         entry = {}
         try:
             if form.startswith("sample"):
-                call = (logits,) if form == "sample-hf" else (logits, pacs.GumbelNoise(1.0, device))
+                call = (logits,) if form == "sample-hf" else (logits, levers.GumbelNoise(1.0, device))
                 entry["ms"] = timed(sample_hf if form == "sample-hf" else sample_gumbel, call, args.iters, device)
                 print(f"{form:14s} {entry['ms']:8.3f} ms a step's sampling", flush=True)
             elif attention[form] is None:  # cuDNN's kernel off CUDA

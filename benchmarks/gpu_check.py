@@ -167,20 +167,21 @@ def probe(path, device_name):
     import torch
     import transformers
     import pacs
+    import plumbing
     cfg = pacs.Config(device=device_name, prompts_per_step=1, group_size=2, max_new_tokens=1)
     result = {"python": sys.version.split()[0], "torch": torch.__version__, "torch_cuda": torch.version.cuda,
               "transformers": transformers.__version__, "transformers_file": transformers.__file__,
               "missing_apis": missing_apis()}
     try:
-        device = pacs.pick_device(cfg)  # on CUDA: sets the allocator's expandable segments, as pacs.py does
-    except pacs.ConfigError as e:
+        device = plumbing.pick_device(cfg)  # on CUDA: sets the allocator's expandable segments, as pacs.py does
+    except plumbing.ConfigError as e:
         result["error"] = str(e)
         device = None
     if device is not None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info()
         result.update({"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-                       "total_gib": total / pacs.GiB, "free_gib": free / pacs.GiB,
-                       "plan_memory_gib": pacs.device_memory("cuda") / pacs.GiB,
+                       "total_gib": total / plumbing.GiB, "free_gib": free / plumbing.GiB,
+                       "plan_memory_gib": plumbing.device_memory("cuda") / plumbing.GiB,
                        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")})
         x = torch.empty(2 ** 20, device=device)  # one allocation, then the allocator's own word on its segments
         result["expandable_segments"] = any(s.get("is_expandable", False) for s in torch.cuda.memory_snapshot())

@@ -36,7 +36,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
+import levers  # noqa: E402
 import pacs  # noqa: E402
+import plumbing  # noqa: E402
 
 SHARED = os.path.join(ROOT, "..", "shared")
 # dense bf16 peak (TFLOP/s) by device name, for model-FLOPs utilisation
@@ -74,9 +76,9 @@ def varied_length_prompts(tokenizer, n, shortest, longest, data_dir, seed=0):
 def prompts_of_lengths(tokenizer, lengths, data_dir):
     """Chat-template prompts of exactly these token lengths, made of MATH problems (synthetic ones offline)."""
     path = os.path.join(data_dir, "math_train.jsonl")
-    rows = pacs.load_problems(path) if os.path.isfile(path) else pacs.synthetic_problems(1000, 0)
+    rows = plumbing.load_problems(path) if os.path.isfile(path) else plumbing.synthetic_problems(1000, 0)
     texts = [p["problem"] for p in rows]
-    overhead = len(tokenizer(pacs.build_prompt(tokenizer, ""), add_special_tokens=False)["input_ids"])
+    overhead = len(tokenizer(plumbing.build_prompt(tokenizer, ""), add_special_tokens=False)["input_ids"])
     if min(lengths) <= overhead:
         sys.exit(f"gpu_step.py: error: a prompt of {min(lengths)} tokens is not above the template's {overhead}")
     prompts, i = [], 0
@@ -87,7 +89,7 @@ def prompts_of_lengths(tokenizer, lengths, data_dir):
             i += 1
         k = length - overhead
         while True:  # decoding and re-encoding a cut can change the count by a token: cut until it fits
-            prompt = pacs.build_prompt(tokenizer, tokenizer.decode(ids[:k]))
+            prompt = plumbing.build_prompt(tokenizer, tokenizer.decode(ids[:k]))
             if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= length:
                 break
             k -= 1
@@ -127,14 +129,15 @@ def cuda_memory():
 
 def cuda_memory_text(m):
     """The numbers of cuda_memory (bytes), printed beside max_memory_allocated."""
-    return (f"reserved {m['reserved_peak_bytes'] / pacs.GiB:.2f} GiB (max_memory_reserved) | device in use "
-            f"{m['device_used_bytes'] / pacs.GiB:.2f} of {m['device_total_bytes'] / pacs.GiB:.2f} GiB (mem_get_info)")
+    return (f"reserved {m['reserved_peak_bytes'] / plumbing.GiB:.2f} GiB (max_memory_reserved) | device in use "
+            f"{m['device_used_bytes'] / plumbing.GiB:.2f} of {m['device_total_bytes'] / plumbing.GiB:.2f} GiB "
+            "(mem_get_info)")
 
 
 def update_flops(config, n_params, prompt_tokens, response_tokens, rows, groups):
     """Model FLOPs of the update phase (forward + backward = 3x forward; recomputation not counted)."""
     H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    qd = config.num_attention_heads * pacs.head_dim(config)
+    qd = config.num_attention_heads * plumbing.head_dim(config)
     matmul_params = n_params - V * H  # the embedding lookup is free; the (tied) LM head is counted below
     tokens = groups * prompt_tokens + rows * response_tokens  # each prompt once per group (shared KV cache)
     S = prompt_tokens + response_tokens
@@ -222,7 +225,7 @@ def cap_allocator(memory_gib):
     plan, not the allocator, so an 80 GB card would never meet a 24 GB card's fragmentation, out-of-memory errors
     and pacs.py's retries. Returns (the fraction of the device, the bytes it allows)."""
     total = torch.cuda.get_device_properties(0).total_memory
-    fraction = min(1.0, (memory_gib * pacs.GiB - pacs.CUDA_CONTEXT) / total)
+    fraction = min(1.0, (memory_gib * plumbing.GiB - plumbing.CUDA_CONTEXT) / total)
     torch.cuda.set_per_process_memory_fraction(fraction)
     return fraction, fraction * total
 
@@ -244,19 +247,20 @@ def time_generate(args, cfg, sample, rollout_model, tokenizer, problems, sizes, 
     and writes (--json) the seconds and ms per decoded token of each call."""
     calls = []
     for step in range(n_steps):
-        batch = [pacs.build_prompt(tokenizer, problems[i]["problem"])
+        batch = [plumbing.build_prompt(tokenizer, problems[i]["problem"])
                  for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)]
         forced = sample_full_length(sample, device, cfg.max_new_tokens, {})
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.time()
         forced(rollout_model, tokenizer, batch, cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-               batch_prompts=sizes.gen_batch_prompts, cache_tokens=pacs.cache_tokens(cfg, device))
+               batch_prompts=sizes.gen_batch_prompts, lv=levers.on_device(cfg, device.type))
         seconds = time.time() - t0
         calls.append({"seconds": seconds, "ms_per_token": 1e3 * seconds / cfg.max_new_tokens,
                       "rows": cfg.prompts_per_step * cfg.group_size})
         print(f"generate {step}: {seconds:.2f} s, {calls[-1]['ms_per_token']:.2f} ms per token at "
-              f"{calls[-1]['rows']} rows (static cache: {pacs.static_cache_on(cfg, device.type)})", flush=True)
+              f"{calls[-1]['rows']} rows (static cache: {levers.on_device(cfg, device.type).cache_tokens > 0})",
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**result, "generate_calls": calls}, f, indent=2)
@@ -269,12 +273,12 @@ def compile_log_prob_forwards(cfg, sample, model, rollout_model, tokenizer, prob
     were. The responses come from the dynamic KV cache: another batch shape would compile the static cache's decode
     step again."""
     groups = max(1, sizes.micro_batch_size // cfg.group_size)
-    prompts = [pacs.build_prompt(tokenizer, p["problem"]) for p in problems[:groups]]
+    prompts = [plumbing.build_prompt(tokenizer, p["problem"]) for p in problems[:groups]]
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):  # as if
         roll = sample(rollout_model, tokenizer, prompts, cfg.group_size, 4)  # never called: the steps' samples
     roll = {k: v.to(device) for k, v in roll.items()}
     rows = slice(0, min(sizes.micro_batch_size, roll["response_ids"].shape[0]))
-    with pacs.autocast_context(cfg, device):
+    with plumbing.autocast_context(cfg, device):
         with torch.no_grad():
             pacs.step_logprobs(cfg, model, roll, rows, sizes, with_entropy=True)
         model.train()
@@ -323,9 +327,9 @@ def main():
         sys.exit(f"gpu_step.py: error: no config.json in {args.model_dir} (see ../shared/models/README.md)")
     cfg = pacs.parse_args(["--eval-every", "0", "--save-every", "0", "--save-minutes", "0", *rest])
     try:
-        pacs.check_config(cfg)
-        device = pacs.pick_device(cfg)  # as pacs.py picks it: refusals, the allocator's expandable segments
-    except pacs.ConfigError as e:
+        plumbing.check_config(cfg)
+        device = plumbing.pick_device(cfg)  # as pacs.py picks it: refusals, the allocator's expandable segments
+    except plumbing.ConfigError as e:
         sys.exit(f"gpu_step.py: error: {e}")
     if device.type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         # On the CPU the peak is read from the resident set size. glibc keeps freed blocks below its (dynamic,
@@ -333,7 +337,8 @@ def main():
         # max_memory_allocated never sees. Restart with every block over 64 KiB mapped and unmapped on its own.
         os.execve(sys.executable, [sys.executable, *sys.argv],
                   {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"})
-    workers = pacs.set_verify_workers(pacs.verify_processes(cfg))  # forked before the model loads, as pacs.train does
+    verifier = levers.VerifierPool(levers.on_device(cfg, device.type).verify_workers)  # forked before the model
+    workers = verifier.workers  # loads, as pacs.train does
     cap = None
     if device.type == "cuda" and cfg.memory_gib > 0 and not args.no_cap:
         cap = cap_allocator(cfg.memory_gib)
@@ -343,8 +348,8 @@ def main():
             subprocess.run([sys.executable, __file__, "--_build", tmp, "--model-dir", args.model_dir,
                             *(["--tiny"] if args.tiny else [])], check=True)
         try:
-            model, rollout_model, tokenizer, sizes = pacs.setup_model(cfg, args.standin or tmp, device)
-        except pacs.ConfigError as e:
+            model, rollout_model, tokenizer, sizes = plumbing.setup_model(cfg, args.standin or tmp, device)
+        except plumbing.ConfigError as e:
             sys.exit(f"gpu_step.py: error: {e}")
     planned = dataclasses.asdict(sizes)
     n_params = sum(p.numel() for p in model.parameters())
@@ -355,8 +360,8 @@ def main():
         sum(float(p.sum()) for p in model.parameters())
     copy_bytes = 0 if rollout_model is model else sum(p.nbytes for p in rollout_model.parameters())  # the plan's too
     rss_base = rss_bytes() - 4 * n_params - copy_bytes if device.type == "cpu" else 0
-    plan = pacs.memory_plan(cfg, model.config, n_params, device.type, sizes.micro_batch_size, sizes.gen_batch_prompts,
-                            sizes.full_rows)
+    plan = plumbing.memory_plan(cfg, model.config, n_params, device.type, sizes.micro_batch_size,
+                                sizes.gen_batch_prompts, sizes.full_rows)
     n_steps = args.warmup_steps + args.timed_steps
     if args.varied_prompts:
         problems = varied_length_prompts(tokenizer, cfg.prompts_per_step * n_steps, args.varied_prompts,
@@ -379,18 +384,18 @@ def main():
               "response_tokens": cfg.max_new_tokens, "num_mini_batches": cfg.num_mini_batches, "lr": cfg.lr,
               "gradient_checkpointing": cfg.gradient_checkpointing, "memory_gib": cfg.memory_gib or None,
               "allocator_cap_fraction": cap[0] if cap else None,
-              "allocator_cap_gib": cap[1] / pacs.GiB if cap else None, "planned_sizes": planned,
+              "allocator_cap_gib": cap[1] / plumbing.GiB if cap else None, "planned_sizes": planned,
               "levers": {k: getattr(cfg, k) for k in ("verify_workers", "pack_groups", "full_rows", "static_cache",
                                                       "compile_head", "compile_layers", "sampler",
                                                       "defer_stop_check")},
               "ref_reset_every": cfg.ref_reset_every,
               "verify_processes": workers,
               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
-    if pacs.static_cache_on(cfg, device.type):  # compile the decode step first, at the run's shapes (not timed)
+    if levers.on_device(cfg, device.type).cache_tokens:  # compile the decode step first, at the run's shapes
         t0 = time.time()
-        batch = [pacs.build_prompt(tokenizer, p["problem"]) for p in problems[:sizes.gen_batch_prompts or None]]
+        batch = [plumbing.build_prompt(tokenizer, p["problem"]) for p in problems[:sizes.gen_batch_prompts or None]]
         sample(rollout_model, tokenizer, batch, cfg.group_size, 4, batch_prompts=sizes.gen_batch_prompts,
-               cache_tokens=pacs.cache_tokens(cfg, device))
+               lv=levers.on_device(cfg, device.type))
         result["compile_s"] = time.time() - t0
         print(f"static cache: the decode step compiled (a 4-token generate call) in {result['compile_s']:.1f} s")
     if cfg.compile_layers or cfg.compile_head:  # their graphs too, first and apart (they are dynamic in the shape)
@@ -406,8 +411,8 @@ def main():
         reset_peak(device)
         try:
             metrics, _ = pacs.train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model,
-                                         ref_model=ref_model, sizes=sizes)
-        except pacs.ConfigError as e:  # a non-finite log-prob, or out of memory at the smallest sizes
+                                         ref_model=ref_model, sizes=sizes, verifier=verifier)
+        except plumbing.ConfigError as e:  # a non-finite log-prob, or out of memory at the smallest sizes
             fail(f"step {step}: {e}", args.json, {**result, "steps": rows})
         if "prof" in profiler:
             if device.type == "cuda":
@@ -415,7 +420,7 @@ def main():
             profiler["prof"].__exit__(None, None, None)
             profiler["table"] = profile_table(profiler.pop("prof"), metrics, device)
         if rollout_model is not model:
-            pacs.copy_weights(rollout_model, model)
+            plumbing.copy_weights(rollout_model, model)
         metrics["update_peak_bytes"] = peak_bytes(device)  # old log-probs and the updates, since generate's reset
         metrics.update(phase)
         metrics["peak_bytes"] = max(metrics["generate_peak_bytes"], metrics["update_peak_bytes"])
@@ -429,15 +434,16 @@ def main():
         print(f"step {step}{warmup}: {metrics['step_time']:.1f} s | generate "
               f"{metrics['time_generate']:.1f} | old log-probs {metrics['time_old_logprobs']:.1f} | update "
               f"{metrics['time_update']:.1f} | response len {metrics['response_len']:.0f} | peaks: generate "
-              f"{metrics['generate_peak_bytes'] / pacs.GiB:.2f}, update {metrics['update_peak_bytes'] / pacs.GiB:.2f} "
-              f"GiB | psi_std {metrics['psi_std']}{cuda}", flush=True)
+              f"{metrics['generate_peak_bytes'] / plumbing.GiB:.2f}, update "
+              f"{metrics['update_peak_bytes'] / plumbing.GiB:.2f} GiB | psi_std {metrics['psi_std']}{cuda}",
+              flush=True)
     pacs.sample = sample
     timed = rows[args.warmup_steps:] or rows
     mean = lambda k: sum(r[k] for r in timed) / len(timed)
     B, T = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
     peak_tflops = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
     flops = update_flops(model.config, n_params, cfg.max_prompt_tokens, T, B, cfg.prompts_per_step)
-    gib = lambda b: b / pacs.GiB
+    gib = lambda b: b / plumbing.GiB
     measured = {ph: max(r[f"{ph}_peak_bytes"] for r in rows) for ph in ("generate", "update")}
     predicted = {ph: plan[f"peak: {ph}"] + rss_base for ph in ("generate", "update")}  # CPU: RSS holds the libraries
     psi = [r["psi_std"] for r in rows if r["psi_std"] is not None]
@@ -480,8 +486,8 @@ def main():
     print(f"peak memory {result['peak_gib']:.2f} GiB vs plan {result['plan_gib']:.2f} GiB: measured / plan = "
           f"{result['peak_over_plan']:.3f}")
     if device.type == "cuda":  # reserved far above allocated: fragmentation (the README's GPU checklist)
-        budget = pacs.plan_budget("cuda", pacs.device_memory("cuda", cfg.memory_gib))
-        print(f"{cuda_memory_text(result)}; the plan's budget {budget / pacs.GiB:.2f} GiB; allocator retries "
+        budget = plumbing.plan_budget("cuda", plumbing.device_memory("cuda", cfg.memory_gib))
+        print(f"{cuda_memory_text(result)}; the plan's budget {budget / plumbing.GiB:.2f} GiB; allocator retries "
               f"{result['alloc_retries']}, OOMs {result['ooms']}, expandable segments {result['expandable_segments']}"
               + (f"; allocator capped at {result['allocator_cap_gib']:.2f} GiB" if cap else ""))
     print(f"psi_std: {psi} (max {result['psi_std_max']})")

@@ -26,6 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import pacs  # noqa: E402
+import plumbing  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import lab  # noqa: E402  (the shipped lab's splits, regenerated from its seed)
 
@@ -59,19 +60,19 @@ def main(argv=None):
                       num_mini_batches=args.num_mini_batches, max_new_tokens=args.max_new_tokens, lr=1e-5,
                       micro_batch_size=args.micro_batch_size, device=args.device, eval_every=0)
     try:
-        pacs.check_config(cfg)
-        device = pacs.pick_device(cfg)
-    except pacs.ConfigError as e:
+        plumbing.check_config(cfg)
+        device = plumbing.pick_device(cfg)
+    except plumbing.ConfigError as e:
         sys.exit(f"lab_step.py: error: {e}")
     torch.manual_seed(0)
-    model, rollout_model, tokenizer, sizes = pacs.setup_model(cfg, cfg.model, device)
+    model, rollout_model, tokenizer, sizes = plumbing.setup_model(cfg, cfg.model, device)
     if args.attn:
         model.set_attn_implementation(args.attn)
-    problems = pacs.load_problems(cfg.dataset)
+    problems = plumbing.load_problems(cfg.dataset)
     optimizer = pacs.make_optimizer(cfg, model)
     critic = critic_opt = None
     if args.algo == "ppo":
-        critic = pacs.load_value_model(cfg, cfg.model, device)
+        critic = plumbing.load_value_model(cfg, cfg.model, device)
         if args.attn:
             critic.set_attn_implementation(args.attn)
         critic_opt = pacs.make_optimizer(cfg, critic, lr=cfg.critic_lr)

@@ -8,7 +8,7 @@ architecture (../shared/models/qwen2.5-0.5b-instruct: config.json only):
 For each: the tensors autograd saves for backward, counted with torch.autograd.graph.saved_tensors_hooks
 (activations; the 4-D attention masks SDPA keeps per layer; autocast's bf16 weight copies), the KV cache the
 actor's forward holds, and the peak resident set of the forward and of the backward above the weights and
-their gradients (allocated first, as in any micro-batch after the first), each beside pacs.memory_plan's terms.
+their gradients (allocated first, as in any micro-batch after the first), each beside plumbing.memory_plan's terms.
 
     python benchmarks/plan_terms.py                                   # 512 + 1024 tokens, 2 rows
     python benchmarks/plan_terms.py --max-prompt-tokens 64 --max-new-tokens 512 --rows 4
@@ -23,9 +23,10 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import pacs  # noqa: E402
+import plumbing  # noqa: E402
 from gpu_step import reset_peak, rss_bytes  # noqa: E402
 
-GiB = pacs.GiB
+GiB = plumbing.GiB
 
 
 def saved_tensors(model):
@@ -131,8 +132,8 @@ def main():
     Lp, T, b = args.max_prompt_tokens, args.max_new_tokens, args.rows
     config = AutoConfig.from_pretrained(args.model_dir)
     cfg = pacs.Config(algo="ppo", autocast="bf16", group_size=b, max_prompt_tokens=Lp, max_new_tokens=T)
-    n = pacs.count_parameters(config)
-    plan = pacs.memory_plan(cfg, config, n, "cpu", b, 1)
+    n = plumbing.count_parameters(config)
+    plan = plumbing.memory_plan(cfg, config, n, "cpu", b, 1)
     torch.manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (1, Lp)).repeat(b, 1)  # (b, Lp): one prompt
     response = torch.randint(0, config.vocab_size, (b, T))  # (b, T)

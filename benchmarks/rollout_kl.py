@@ -1,6 +1,6 @@
 """How far the bf16 rollout copy samples from the distribution the trainer scores: per-token KL(sampler || trainer).
 
-On CUDA, generate() runs on a bf16 copy of the weights (pacs.rollout_copy) while old_logprobs and the update come
+On CUDA, generate() runs on a bf16 copy of the weights (plumbing.rollout_copy) while old_logprobs and the update come
 from the fp32 master weights under bf16 autocast: the two are different numerical models of one policy. This runs
 pacs.py's own sampling (pacs.sample, with the raw logits of every generate step recorded) and its own scoring
 (pacs.response_logprobs under --autocast bf16, with the full log-softmax of every scored token recorded), on the
@@ -9,7 +9,7 @@ CPU, where bf16 autocast reproduces bf16 rounding, and reports for every real re
     KL(sampler || trainer) = sum_v p_s(v) (log p_s(v) - log p_t(v))
 
 for three samplers of the same weights, each on its own samples:
-  rollout copy          pacs.rollout_copy(model, bf16): bf16 parameters, fp32 RoPE frequencies (as from_pretrained
+  rollout copy          plumbing.rollout_copy(model, bf16): bf16 parameters, fp32 RoPE frequencies (as from_pretrained
                         in bf16 loads them; what pacs.py uses)
   bf16 inv_freq         copy.deepcopy(model).to(bf16): the RoPE frequencies rounded to bf16 as well
   fp32 (--rollout-dtype fp32)  the fp32 weights without autocast: what is left is autocast's rounding alone
@@ -30,6 +30,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import pacs  # noqa: E402
+import plumbing  # noqa: E402
 
 SHARED = os.path.join(ROOT, "..", "shared")
 
@@ -75,9 +76,9 @@ def trainer_logprobs(model, roll, args, autocast="bf16"):
     cfg = pacs.Config(autocast=autocast)
     pacs.token_logprobs = recording
     try:
-        with torch.no_grad(), pacs.autocast_context(cfg, torch.device("cpu")):
+        with torch.no_grad(), plumbing.autocast_context(cfg, torch.device("cpu")):
             for g in range(0, roll["response_ids"].shape[0], args.group_size):
-                pacs.response_logprobs(model, *pacs.rollout_rows(roll, slice(g, g + args.group_size)), 1.0,
+                pacs.response_logprobs(model, *plumbing.rollout_rows(roll, slice(g, g + args.group_size)), 1.0,
                                        group_size=args.group_size)
     finally:
         pacs.token_logprobs = real
@@ -97,13 +98,14 @@ def main():
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args()
     try:
-        model, tokenizer = pacs.load_model(args.model)
-    except pacs.ConfigError as e:
+        model, tokenizer = plumbing.load_model(args.model)
+    except plumbing.ConfigError as e:
         sys.exit(f"rollout_kl.py: error: {e}")
     model.eval()
-    rows = pacs.load_problems(args.data) if os.path.isfile(args.data) else pacs.synthetic_problems(args.prompts, 0)
-    prompts = [pacs.build_prompt(tokenizer, p["problem"]) for p in rows[:args.prompts]]
-    copy_fp32_inv_freq = pacs.rollout_copy(model, torch.bfloat16)
+    rows = (plumbing.load_problems(args.data) if os.path.isfile(args.data)
+            else plumbing.synthetic_problems(args.prompts, 0))
+    prompts = [plumbing.build_prompt(tokenizer, p["problem"]) for p in rows[:args.prompts]]
+    copy_fp32_inv_freq = plumbing.rollout_copy(model, torch.bfloat16)
     bf16_inv_freq = copy.deepcopy(model).to(torch.bfloat16)
     samplers = {"rollout copy (fp32 inv_freq)": copy_fp32_inv_freq, "bf16 inv_freq": bf16_inv_freq,
                 "fp32 (--rollout-dtype fp32)": model}

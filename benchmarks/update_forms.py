@@ -36,7 +36,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import torch  # noqa: E402
 
 import gpu_step  # noqa: E402
+import levers  # noqa: E402
 import pacs  # noqa: E402
+import plumbing  # noqa: E402
 
 
 def sync(device):
@@ -48,7 +50,7 @@ def fake_rollout(tokenizer, rows, group_size, prompt_tokens, response_tokens, da
     """A rollout of `rows` rows: rows / G prompts of exactly prompt_tokens tokens, each repeated G times, and random
     response tokens, every one real."""
     prompts = gpu_step.fixed_length_prompts(tokenizer, rows // group_size, prompt_tokens, data_dir)
-    ids = [tokenizer(pacs.build_prompt(tokenizer, p["problem"]), add_special_tokens=False)["input_ids"]
+    ids = [tokenizer(plumbing.build_prompt(tokenizer, p["problem"]), add_special_tokens=False)["input_ids"]
            for p in prompts]
     width = max(map(len, ids))
     prompt_ids = torch.full((len(ids), width), tokenizer.pad_token_id or 0, dtype=torch.long)
@@ -63,34 +65,29 @@ def fake_rollout(tokenizer, rows, group_size, prompt_tokens, response_tokens, da
     return {k: v.to(device) for k, v in roll.items()}
 
 
-COMPILED = {}  # the compiled token_logprobs of headc-* (compiled once, on its first call)
-
-
 def run_form(cfg, model, roll, micro, grad, part, device):
     """One mini-batch (all of roll's rows) in micro-batches of `micro` rows: the log-probs' sum backpropagated
     (grad) or a no-grad forward. part: 'all' (pacs.step_logprobs), 'body' (the decoder only), 'head' (the LM
     head and log-softmax only, pacs.head_logprobs on random hidden states) or 'headc' (the same, --compile-head's
     route)."""
-    autocast = pacs.autocast_context(cfg, device)
+    autocast = plumbing.autocast_context(cfg, device)
     rows = roll["response_ids"].shape[0]
-    for sl in pacs.micro_slices(slice(0, rows), micro):
-        with torch.set_grad_enabled(grad), autocast, pacs.pin_attention(device.type):
+    for sl in plumbing.micro_slices(slice(0, rows), micro):
+        with torch.set_grad_enabled(grad), autocast, plumbing.pin_attention(device.type):
             if part == "all":
                 out = pacs.step_logprobs(cfg, model, roll, sl)[0].sum()
             elif part == "body":
-                out = pacs.response_hidden(model, *pacs.rollout_rows(roll, sl), group_size=min(cfg.group_size, micro),
+                batch = plumbing.rollout_rows(roll, sl)
+                out = pacs.response_hidden(model, *batch, group_size=min(cfg.group_size, micro),
                                            shared_prompt=not cfg.gradient_checkpointing)[0].float().sum()
             else:
                 n = (sl.stop - sl.start) * roll["response_ids"].shape[1]
                 hidden = torch.randn(n, model.config.hidden_size, device=device, requires_grad=grad)
                 targets = roll["response_ids"][sl].flatten()
-                if part == "headc" and "head" not in COMPILED:
-                    COMPILED["head"] = pacs.compile_head(device)  # as --compile-head
-                pacs.HEAD["compiled"] = COMPILED["head"] if part == "headc" else None  # the run's route for it
-                out = pacs.head_logprobs(model.get_output_embeddings(), hidden, targets, 1.0)[0].sum()
+                head = levers.compiled_head(pacs.token_logprobs, device.type) if part == "headc" else None
+                out = pacs.head_logprobs(model.get_output_embeddings(), hidden, targets, 1.0, head=head)[0].sum()
         if grad:
             out.backward()
-    pacs.HEAD["compiled"] = None
     if grad:
         model.zero_grad(set_to_none=True)
     sync(device)
@@ -154,11 +151,11 @@ def profile_decode(args, cfg, rollout_model, tokenizer, device, rows, static, re
     static cache is sized as the default run's (prompt + response limits), whatever --decode-tokens."""
     prompts = gpu_step.fixed_length_prompts(tokenizer, rows // args.group_size, args.max_prompt_tokens,
                                             args.data_dir)
-    texts = [pacs.build_prompt(tokenizer, p["problem"]) for p in prompts]
+    texts = [plumbing.build_prompt(tokenizer, p["problem"]) for p in prompts]
     forced = gpu_step.sample_full_length(pacs.sample, device, args.decode_tokens, {})
     cache = args.max_prompt_tokens + args.max_new_tokens if static else 0
     call = lambda: forced(rollout_model, tokenizer, texts, args.group_size, args.decode_tokens,  # noqa: E731
-                          batch_prompts=len(texts), cache_tokens=cache)
+                          batch_prompts=len(texts), lv=levers.Levers(cache_tokens=cache))
     key = f"decode_{'static' if static else 'dynamic'}_{rows}x{args.decode_tokens}"
     t0 = time.time()
     call()
@@ -205,7 +202,7 @@ def main():
         if not args.standin:
             subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_step.py"), "--_build", tmp,
                             "--model-dir", args.model_dir, *(["--tiny"] if args.tiny else [])], check=True)
-        model, rollout_model, tokenizer, _ = pacs.setup_model(cfg, args.standin or tmp, device)
+        model, rollout_model, tokenizer, _ = plumbing.setup_model(cfg, args.standin or tmp, device)
     n_params = sum(p.numel() for p in model.parameters())
     roll = fake_rollout(tokenizer, args.rows, args.group_size, args.max_prompt_tokens, args.max_new_tokens,
                         args.data_dir, device)
@@ -239,7 +236,7 @@ def main():
         entry = {}
         try:
             if kind == "layersc" and not getattr(model.base_model, "compiled_layers", False):
-                pacs.compile_layers(model, device)  # as --compile-layers: compiled on the first call, in its time
+                levers.compile_layers(model, device)  # as --compile-layers: compiled on the first call, in its time
             for grad in (True, False):
                 first, seconds = time_form(route, model, roll, micro, grad, part, device, args.repeats)
                 key = "fwd_bwd" if grad else "fwd"

@@ -1,7 +1,7 @@
 """Speed and memory of one RL step: pacs.py next to TRL's GRPOTrainer, same work, same CPU.
 
 Both sides run the same model (fp32), the same synthetic prompts in the same order (P prompts x G
-samples per step, the user turn `problem + pacs.PROMPT_SUFFIX` in the chat template), the same
+samples per step, the user turn `problem + plumbing.PROMPT_SUFFIX` in the chat template), the same
 sampling settings (temperature, top_p, top_k=0, HF `model.generate`), the same max new tokens,
 one optimizer step per rollout (torch AdamW as pacs.make_optimizer builds it, unfused unless --fused-adamw;
 same lr / betas / weight decay, constant lr, no grad clipping), no KL term and so no reference model,
@@ -77,11 +77,11 @@ def _rss_gb():
 
 
 def _problems(args, total_steps):
-    """The prompts of steps 0..total_steps-1 in pacs's order (pacs.batch_indices, data seed 0)."""
-    import pacs
-    problems = pacs.load_problems("synthetic")
+    """The prompts of steps 0..total_steps-1 in pacs's order (plumbing.batch_indices, data seed 0)."""
+    import plumbing
+    problems = plumbing.load_problems("synthetic")
     return problems, [problems[i] for s in range(total_steps)
-                      for i in pacs.batch_indices(s, len(problems), args.prompts, 0)]
+                      for i in plumbing.batch_indices(s, len(problems), args.prompts, 0)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -94,6 +94,8 @@ def run_pacs(args):
     import torch
 
     import pacs
+
+    import plumbing
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -103,8 +105,8 @@ def run_pacs(args):
                       micro_batch_size=args.micro_batch_groups * args.group_size, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_p=args.top_p, lr=args.lr, weight_decay=args.weight_decay,
                       max_grad_norm=0.0, seed=0, device="cpu", eval_every=0, gradient_checkpointing=False)
-    pacs.check_config(cfg)
-    model, tok = pacs.load_model(args.model_dir, device, torch.float32)
+    plumbing.check_config(cfg)
+    model, tok = plumbing.load_model(args.model_dir, device, torch.float32)
     model.eval()
     if args.force_length:  # every sample exactly max_new_tokens long, as on the TRL side
         generate = model.generate
@@ -147,21 +149,22 @@ def run_trl(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    import pacs
+
+    import plumbing
     from verify import verify
     torch.manual_seed(args.seed)
     total = args.warmup + args.steps
     _, rows = _problems(args, total + 2)  # a spare step or two: the epoch must not end early
-    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": p["problem"] + pacs.PROMPT_SUFFIX}],
+    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": p["problem"] + plumbing.PROMPT_SUFFIX}],
                                       "answer": p["answer"]} for p in rows])
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
 
     # the prompt tokens TRL feeds generate() are the ones pacs feeds it
     first = rows[0]["problem"]
-    trl_ids = tok.apply_chat_template([[{"role": "user", "content": first + pacs.PROMPT_SUFFIX}]],
+    trl_ids = tok.apply_chat_template([[{"role": "user", "content": first + plumbing.PROMPT_SUFFIX}]],
                                       add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"][0]
-    pacs_ids = tok(pacs.build_prompt(tok, first), add_special_tokens=False)["input_ids"]
+    pacs_ids = tok(plumbing.build_prompt(tok, first), add_special_tokens=False)["input_ids"]
     same_prompt_tokens = list(trl_ids) == list(pacs_ids)
 
     def accuracy(completions, answer, **kwargs):
@@ -257,11 +260,11 @@ def resolve_model(name, tmp):
         sys.path.insert(0, os.path.join(ROOT, "tests"))
         from conftest import make_tiny_model_dir
         return make_tiny_model_dir(os.path.join(tmp, "tiny_model"))
-    import pacs
+    import plumbing
     if name == "smollm2":
-        return pacs.gguf_to_hf_dir(pacs.smollm2_gguf_path())
+        return plumbing.gguf_to_hf_dir(plumbing.smollm2_gguf_path())
     if name.endswith(".gguf"):
-        return pacs.gguf_to_hf_dir(name)
+        return plumbing.gguf_to_hf_dir(name)
     return name
 
 

@@ -71,6 +71,7 @@ from trl.trainer.utils import split_tensor_dict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import pacs  # noqa: E402  (the loss: pacs.pacs_loss, one source of truth)
+import plumbing  # noqa: E402
 
 ESTIMATORS = ("rloo", "grpo", "drgrpo", "none")
 
@@ -267,10 +268,10 @@ class ScriptArguments:
 
 
 def build_dataset(name, data_dir=""):
-    """TRL's conversational prompts, the same user turn as pacs.build_prompt (problem + PROMPT_SUFFIX)."""
+    """TRL's conversational prompts, the same user turn as plumbing.build_prompt (problem + PROMPT_SUFFIX)."""
     import datasets
-    rows = pacs.load_problems(name, "train", data_dir)
-    return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": r["problem"] + pacs.PROMPT_SUFFIX}],
+    rows = plumbing.load_problems(name, "train", data_dir)
+    return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": r["problem"] + plumbing.PROMPT_SUFFIX}],
                                         "answer": r["answer"]} for r in rows])
 
 
@@ -317,9 +318,9 @@ def main(argv=None):
                         logging_steps=1, disable_tqdm=True, activation_checkpointing=on_gpu)
     script, config = parser.parse_args_into_dataclasses(args=argv)
     try:
-        model_dir = pacs.resolve_model_path(script.model)
+        model_dir = plumbing.resolve_model_path(script.model)
         dataset = build_dataset(script.dataset, script.data_dir)
-    except pacs.ConfigError as e:
+    except plumbing.ConfigError as e:
         sys.exit(f"trl_pacs.py: error: {e}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # fp32 master weights

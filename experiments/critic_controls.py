@@ -36,6 +36,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import pacs  # noqa: E402
+import plumbing  # noqa: E402
 
 CONTROLS = ("class-shuffled", "group-shuffled")
 SETTINGS_FILE = "critic_control.json"  # in the run dir: a resume with another control is refused
@@ -117,9 +118,9 @@ def check_control(control, out_dir, resume):
         with open(path) as f:
             made = json.load(f)["critic_control"]
         if made != control:
-            raise pacs.ConfigError(f"{out_dir} holds a run made with --critic-control {made}, not {control}")
-    elif resume and pacs.latest_checkpoint(out_dir) is not None:
-        raise pacs.ConfigError(f"{out_dir} holds a run made without --critic-control; use another --out-dir")
+            raise plumbing.ConfigError(f"{out_dir} holds a run made with --critic-control {made}, not {control}")
+    elif resume and plumbing.latest_checkpoint(out_dir) is not None:
+        raise plumbing.ConfigError(f"{out_dir} holds a run made without --critic-control; use another --out-dir")
     os.makedirs(out_dir, exist_ok=True)
     with open(path, "w") as f:
         json.dump({"critic_control": control}, f)
@@ -141,7 +142,7 @@ def main(argv=None):
                  "with the implicit critic on")
     try:
         check_control(control, cfg.out_dir, cfg.resume)
-    except pacs.ConfigError as e:
+    except plumbing.ConfigError as e:
         sys.exit(f"critic_controls.py: error: {e}")
     _state["control"] = control
     pacs.algo_loss, pacs.train_step = control_algo_loss, _train_step

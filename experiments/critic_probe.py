@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import lab  # noqa: E402
 import pacs  # noqa: E402
+import plumbing  # noqa: E402
 
 BINS = (0.0, 0.45, 0.49, 0.51, 0.55, 1.0)  # sigma(psi): both tails, the middle
 
@@ -25,15 +26,16 @@ def rollout_updates(cfg, model, optimizer, roll, rewards, device):
     pi_old's log-probs, then one optimizer step per mini-batch of whole groups, as train_step runs them (PACS,
     pi_ref = pi_old). Returns [(psi (B/M,), loss)], one per mini-batch, psi scored at the weights that mini-batch
     trains from: 0 on mini-batch 0, where pi_theta == pi_old; on the later ones, what the earlier updates taught."""
-    sizes, rows = pacs.Sizes.typed(cfg), pacs.rows_per_mini_batch(cfg)
+    sizes, rows = plumbing.Sizes.typed(cfg), plumbing.rows_per_mini_batch(cfg)
     mask = roll["response_mask"].float()  # (B, T)
     old_logprobs, _ = pacs.reference_logprobs(cfg, model, None, roll, sizes, device)  # mini-batch 0: its own
     model.train()
     out = []
     for m in range(cfg.num_mini_batches):
         mini = slice(m * rows, (m + 1) * rows)
-        loss, psi, _ = pacs.retry_smaller(cfg, sizes, f"mini-batch {m}", model, pacs.accumulate_mini_batch, cfg, model,
-                                          roll, old_logprobs, mask, rewards, mini, m == 0, device, None, None, sizes)
+        loss, psi, _ = plumbing.retry_smaller(cfg, sizes, f"mini-batch {m}", model, pacs.accumulate_mini_batch, cfg,
+                                              model, roll, old_logprobs, mask, rewards, mini, m == 0, device, None,
+                                              None, sizes)
         pacs.optimizer_update(cfg, model, optimizer, f"mini-batch {m}")
         out.append((psi, float(loss)))
     model.eval()
@@ -49,8 +51,8 @@ def probe(lab_dir, steps, beta, lr, seed):
     """(psi, reward, length, centred log pi_old) of every response on mini-batches 1..M-1 of `steps` rollouts of
     PACS from the lab's base (the sweep's schedule: 32 prompts x 8, M = 4), as numpy arrays."""
     lab.ensure_splits(lab_dir)
-    model, tokenizer = pacs.load_model(os.path.join(lab_dir, "model"))
-    problems = pacs.load_problems(os.path.join(lab_dir, "train.jsonl"))
+    model, tokenizer = plumbing.load_model(os.path.join(lab_dir, "model"))
+    problems = plumbing.load_problems(os.path.join(lab_dir, "train.jsonl"))
     cfg = pacs.Config(prompts_per_step=32, group_size=8, num_mini_batches=4, max_new_tokens=32, micro_batch_size=64,
                       lr=lr, beta=beta, seed=seed)
     G, M = cfg.group_size, cfg.num_mini_batches
@@ -58,9 +60,9 @@ def probe(lab_dir, steps, beta, lr, seed):
     torch.manual_seed(seed)
     out = []
     for step in range(steps):
-        batch = [problems[i] for i in pacs.batch_indices(step, len(problems), cfg.prompts_per_step, seed=seed)]
+        batch = [problems[i] for i in plumbing.batch_indices(step, len(problems), cfg.prompts_per_step, seed=seed)]
         model.eval()
-        roll = pacs.sample(model, tokenizer, [pacs.build_prompt(tokenizer, p["problem"]) for p in batch], G,
+        roll = pacs.sample(model, tokenizer, [plumbing.build_prompt(tokenizer, p["problem"]) for p in batch], G,
                            cfg.max_new_tokens)
         texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)
         rewards = pacs.reward_fn(texts, [p["answer"] for p in batch for _ in range(G)])  # (B,)

@@ -38,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import eval as pacs_eval  # noqa: E402  (pass@k from n samples, resumable: the base model's eval)
 import pacs  # noqa: E402  (build_prompt, sample, reward_fn: the prompts, rollouts and rewards of training)
+import plumbing  # noqa: E402
 
 SOURCE = "lab-chain"
 WHAT_IS = "What is"  # the problem's opening, one token
@@ -195,7 +196,7 @@ def machine():
 
 # =====================================================================================================
 # The tokenizer: one token per character, and one each for the problem's opening, the prompt's instruction
-# and \boxed{; a chat template, so pacs.build_prompt formats the lab's prompts as it does Qwen's
+# and \boxed{; a chat template, so plumbing.build_prompt formats the lab's prompts as it does Qwen's
 # =====================================================================================================
 def byte_level_chars():
     """GPT-2's byte -> printable character map that byte-level BPE uses: {byte: char}."""
@@ -212,7 +213,7 @@ def byte_level_chars():
 
 def make_tokenizer():
     """A byte-level BPE without merges over CHARS (byte-level, as transformers reloads a Qwen2 model's
-    tokenizer), the words WHAT_IS, pacs.PROMPT_SUFFIX and BOX as added tokens, and the chat template."""
+    tokenizer), the words WHAT_IS, plumbing.PROMPT_SUFFIX and BOX as added tokens, and the chat template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     byte_char = byte_level_chars()
@@ -222,7 +223,7 @@ def make_tokenizer():
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIALS[0], eos_token=SPECIALS[1],
                                    additional_special_tokens=SPECIALS[2:])
-    fast.add_tokens([AddedToken(w, normalized=False) for w in (WHAT_IS, pacs.PROMPT_SUFFIX, BOX)])
+    fast.add_tokens([AddedToken(w, normalized=False) for w in (WHAT_IS, plumbing.PROMPT_SUFFIX, BOX)])
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -252,7 +253,7 @@ def encode_sft(tokenizer, rows):
     what the model writes)."""
     seqs, starts = [], []
     for r in rows:
-        prompt = tokenizer(pacs.build_prompt(tokenizer, r["problem"]), add_special_tokens=False)["input_ids"]
+        prompt = tokenizer(plumbing.build_prompt(tokenizer, r["problem"]), add_special_tokens=False)["input_ids"]
         answer = tokenizer(r["solution"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(prompt + answer)
         starts.append(len(prompt))
@@ -269,7 +270,7 @@ def encode_sft(tokenizer, rows):
 
 def sample_pass1(model, tokenizer, problems, n, max_new_tokens, seed):
     """Mean reward of n samples per problem at T = 1.0 (pass@1 estimated from n samples), seeded."""
-    prompts = [pacs.build_prompt(tokenizer, p["problem"]) for p in problems]
+    prompts = [plumbing.build_prompt(tokenizer, p["problem"]) for p in problems]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         roll = pacs.sample(model, tokenizer, prompts, n, max_new_tokens, temperature=1.0, batch_prompts=0)
@@ -405,7 +406,7 @@ def build(args):
     t_sft = time.time() - t0
     # the base model's pass@k on the test split, by eval.py (the sweep reuses these files as its eval_base)
     ks = ",".join(str(k) for k in range(1, args.eval_n + 1))
-    ev = pacs_eval.evaluate(pacs.parse_flags(pacs_eval.EvalConfig, "", [
+    ev = pacs_eval.evaluate(plumbing.parse_flags(pacs_eval.EvalConfig, "", [
         "--model", model_dir, "--datasets", os.path.join(args.out, "test.jsonl"), "--n", str(args.eval_n),
         "--k", ks, "--temperature", "1.0", "--top-p", "1.0", "--max-new-tokens", str(args.max_new_tokens),
         "--batch-size", "1024", "--device", "cpu", "--out", os.path.join(args.out, "eval_base")]))
@@ -436,7 +437,7 @@ def main(argv=None):
     try:
         check_args(args)
         build(args)
-    except (LabError, pacs.ConfigError) as e:
+    except (LabError, plumbing.ConfigError) as e:
         sys.exit(f"lab.py: error: {e}")
 
 

@@ -184,7 +184,7 @@ def lr_robustness(runs_root, prompts=32):
 
 def parameter_counts(model_dir):
     """Trainable parameters of the lab's policy (AutoModelForCausalLM from model_dir/config.json, tied embeddings
-    counted once) and of PPO's value model as pacs.load_value_model builds it (AutoModelForTokenClassification,
+    counted once) and of PPO's value model as plumbing.load_value_model builds it (AutoModelForTokenClassification,
     num_labels=1, no dropout: the decoder and a scalar head); built on the meta device, no weights read.
     None without a config.json."""
     if not os.path.isfile(os.path.join(model_dir, "config.json")):

@@ -11,7 +11,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import pacs  # noqa: E402  (latest_checkpoint: the done-check reads pacs.py's own checkpoint layout)
+import plumbing  # noqa: E402  (latest_checkpoint: the done-check reads pacs.py's own checkpoint layout)
 import lab  # noqa: E402  (the machine a result ran on)
 import eval as eval_py  # noqa: E402  (changed_settings: eval.py refuses a rerun with other settings alike)
 from curves import read_metrics  # noqa: E402  (a run's metrics.jsonl, sorted by step)
@@ -91,7 +91,7 @@ def eval_dir(args, method, seed):
 def trained_steps(path):
     """Steps done by the run in `path`, from its latest complete checkpoint (0 if none). metrics.jsonl
     alone is not proof: a kill between logging the last step and saving it leaves one row too many."""
-    ckpt = pacs.latest_checkpoint(path)
+    ckpt = plumbing.latest_checkpoint(path)
     return 0 if ckpt is None else int(ckpt.rsplit("-", 1)[1]) + 1
 
 
@@ -151,7 +151,7 @@ def train_and_eval(args, method, seed):
                          f"use --steps {done} or another --out")
     if done < args.steps:  # --resume: an interrupted run continues from its latest checkpoint
         run_command(train_command(args, method, seed))
-    evaluate(args, pacs.latest_checkpoint(path), eval_dir(args, method, seed))
+    evaluate(args, plumbing.latest_checkpoint(path), eval_dir(args, method, seed))
     if args.results:
         write_result(args, method, seed, time.time() - t0)
 
@@ -203,7 +203,7 @@ def pooled_calibration(rows):
     logged = [r["critic_calibration"] for r in rows if r.get("critic_calibration")]
     if not logged:
         return None
-    return {"edges": list(pacs.CALIBRATION_EDGES),
+    return {"edges": list(plumbing.CALIBRATION_EDGES),
             **{k: [round(sum(c[k][i] for c in logged), 4) for i in range(len(logged[0][k]))]
                for k in ("n", "sigma", "right")}}
 

@@ -1,7 +1,10 @@
 """Shared test fixtures: a tiny random causal LM and a character-level tokenizer, built locally (no network)."""
+import ast
+import functools
 import os
 import string
 import sys
+import types
 import warnings
 
 import pytest
@@ -19,6 +22,53 @@ settings.register_profile("ci", derandomize=True, database=None)
 settings.register_profile("fuzz", derandomize=False, database=None, print_blob=True,
                           max_examples=int(os.environ.get("FUZZ_EXAMPLES", "50000")))  # per property
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# A patch reaches the callers it means to reach only where the name is defined: `from x import name` copies the
+# binding, and a patch of the copy misses x's callers. So a test that patches a name of one of the project's top-level
+# modules (pacs.py, plumbing.py, levers.py, eval.py, verify.py) that the module does not define (it imports it, or the
+# name has moved) fails, naming where to patch instead. experiments/ patches a consumer's own binding on purpose.
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.cache
+def defined_names(path):
+    """The names a module's source binds at its top level: its functions, classes and assignments."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            names |= {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                      if isinstance(t, ast.Name)}
+    return names
+
+
+def top_level_module(module):
+    """Whether module is one of the project's top-level .py files."""
+    path = getattr(module, "__file__", None) or ""
+    return isinstance(module, types.ModuleType) and os.path.isabs(path) and os.path.dirname(path) == PROJECT
+
+
+def check_patched_name(module, name):
+    if top_level_module(module) and name not in defined_names(module.__file__):
+        owner = next((m.__name__ for m in list(sys.modules.values())
+                      if top_level_module(m) and name in defined_names(m.__file__)), None)
+        pytest.fail(f"monkeypatch of {module.__name__}.{name}: {module.__name__} does not define {name}"
+                    + (f"; patch {owner}.{name}" if owner else ""), pytrace=False)
+
+
+def guarded_setattr(self, target, *args, **kwargs):
+    if isinstance(target, str):  # the dotted form: setattr("module.name", value)
+        module_name, name = target.rsplit(".", 1)
+        check_patched_name(sys.modules.get(module_name), name)
+    else:
+        check_patched_name(target, args[0] if args else kwargs.get("name"))
+    return unguarded_setattr(self, target, *args, **kwargs)
+
+
+unguarded_setattr, pytest.MonkeyPatch.setattr = pytest.MonkeyPatch.setattr, guarded_setattr
 
 SPECIALS = ["<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|unk|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
@@ -44,7 +94,7 @@ def make_tokenizer(chars=None):
 
 
 def make_tiny_model_dir(path, seed=0, layers=2, hidden=64, chars=None):
-    """save_pretrained dir of a random 2-layer Qwen2 with the tokenizer above; loadable by pacs.load_model.
+    """save_pretrained dir of a random 2-layer Qwen2 with the tokenizer above; loadable by plumbing.load_model.
     chars: restrict the vocabulary (characters outside it are dropped by the tokenizer)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -100,9 +150,10 @@ def digit_rollout(digit_model):
     """A fixed rollout of 2 prompts x G=4 with mixed rewards and ragged response lengths: (roll, rewards)."""
     import torch
     import pacs
-    model, tok = pacs.load_model(digit_model)
+    import plumbing
+    model, tok = plumbing.load_model(digit_model)
     torch.manual_seed(0)
-    prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 =")]
+    prompts = [plumbing.build_prompt(tok, "1 + 6 ="), plumbing.build_prompt(tok, "12 + 3 =")]
     roll = pacs.sample(model, tok, prompts, group_size=4, max_new_tokens=6)
     roll["response_mask"][1, 2:] = 0  # an early EOS
     roll["response_mask"][6, 4:] = 0

@@ -19,6 +19,8 @@ import torch
 
 import pacs
 
+import plumbing
+
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -292,7 +294,7 @@ def test_official_settings_per_algo_and_flags_that_override_them():
 def mini_batch_grads(model_dir, roll, rewards, algo, mode, micro_batch_size):
     """.grad of every actor parameter after accumulate_mini_batch on the whole digit_rollout, with pi_old moved off the
     current weights (ratios != 1) and, for PPO, fixed random advantages."""
-    model, _ = pacs.load_model(model_dir)
+    model, _ = plumbing.load_model(model_dir)
     model.train()
     cfg = pacs.Config(group_size=4, prompts_per_step=2, num_mini_batches=1, micro_batch_size=micro_batch_size,
                       algo=algo, loss_agg=mode, max_new_tokens=6, temperature=0.9)
@@ -321,7 +323,7 @@ def test_mini_batch_gradient_does_not_depend_on_the_micro_batch_size(digit_model
 def critic_grads(model_dir, roll, mode, micro_batch_size):
     cfg = pacs.Config(group_size=4, prompts_per_step=2, num_mini_batches=1, micro_batch_size=micro_batch_size,
                       algo="ppo", loss_agg=mode, max_new_tokens=6)
-    critic = pacs.load_value_model(cfg, model_dir, torch.device("cpu")).train()
+    critic = plumbing.load_value_model(cfg, model_dir, torch.device("cpu")).train()
     mask = roll["response_mask"].float()
     g = torch.Generator().manual_seed(1)
     old_values = (torch.randn(mask.shape, generator=g) * 0.5) * mask
@@ -348,11 +350,11 @@ def test_the_value_model_is_verls_and_reads_the_state_before_each_token(digit_mo
     before response token t, 0 past the response, the same on the shared-prompt and the full-row routes."""
     roll, _ = digit_rollout
     cfg = pacs.Config(group_size=4, algo="ppo")
-    critic = pacs.load_value_model(cfg, digit_model, torch.device("cpu"))
+    critic = plumbing.load_value_model(cfg, digit_model, torch.device("cpu"))
     assert type(critic).__name__ == "Qwen2ForTokenClassification" and critic.config.num_labels == 1
     rows = slice(0, 4)
-    shared = pacs.response_values(critic, *pacs.rollout_rows(roll, rows), group_size=4)
-    full = pacs.response_values(critic, *pacs.rollout_rows(roll, rows), group_size=4, shared_prompt=False)
+    shared = pacs.response_values(critic, *plumbing.rollout_rows(roll, rows), group_size=4)
+    full = pacs.response_values(critic, *plumbing.rollout_rows(roll, rows), group_size=4, shared_prompt=False)
     torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-5)
     # by hand: one plain forward over prompt + response, the score head's output at position Lp - 1 + t
     ids = torch.cat([roll["prompt_ids"][rows], roll["response_ids"][rows]], 1)
@@ -369,10 +371,10 @@ def test_the_value_models_head_does_not_move_the_sampling_rng(digit_model):
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    pacs.load_value_model(pacs.Config(algo="ppo", seed=5), digit_model, torch.device("cpu"))
+    plumbing.load_value_model(pacs.Config(algo="ppo", seed=5), digit_model, torch.device("cpu"))
     assert torch.equal(torch.rand(3), expected)  # step 0 samples what every other --algo samples
-    a = pacs.load_value_model(pacs.Config(algo="ppo", seed=5), digit_model, torch.device("cpu"))
-    b = pacs.load_value_model(pacs.Config(algo="ppo", seed=5), digit_model, torch.device("cpu"))
+    a = plumbing.load_value_model(pacs.Config(algo="ppo", seed=5), digit_model, torch.device("cpu"))
+    b = plumbing.load_value_model(pacs.Config(algo="ppo", seed=5), digit_model, torch.device("cpu"))
     assert torch.equal(a.score.weight, b.score.weight)  # and the head is a function of --seed
 
 
@@ -393,12 +395,12 @@ def run(model, out_dir, *extra):
 def test_one_ppo_step_moves_both_models_and_logs_the_critic(digit_model, tmp_path, monkeypatch):
     monkeypatch.setattr(pacs, "reward_fn", mixed_rewards)
     rows = run(digit_model, tmp_path, "--steps", "1")
-    ckpt = pacs.latest_checkpoint(str(tmp_path))
+    ckpt = plumbing.latest_checkpoint(str(tmp_path))
     cfg = pacs.parse_args(["--algo", "ppo"])
-    before_actor, _ = pacs.load_model(digit_model)
-    before_critic = pacs.load_value_model(cfg, digit_model, torch.device("cpu"))
-    after_actor, _ = pacs.load_model(ckpt)
-    after_critic = pacs.load_value_model(cfg, os.path.join(ckpt, "critic"), torch.device("cpu"))
+    before_actor, _ = plumbing.load_model(digit_model)
+    before_critic = plumbing.load_value_model(cfg, digit_model, torch.device("cpu"))
+    after_actor, _ = plumbing.load_model(ckpt)
+    after_critic = plumbing.load_value_model(cfg, os.path.join(ckpt, "critic"), torch.device("cpu"))
     for before, after in ((before_actor, after_actor), (before_critic, after_critic)):
         moved = {n for n, p in after.named_parameters() if not torch.equal(p, dict(before.named_parameters())[n])}
         assert moved, type(before).__name__
@@ -422,11 +424,11 @@ def test_a_killed_ppo_run_resumes_to_the_uninterrupted_one(digit_model, tmp_path
     resumed = run(digit_model, tmp_path / "part", "--steps", "4", "--save-every", "2", "--resume")
     assert strip(resumed) == strip(full)
     assert full[-1]["value_loss"] != full[0]["value_loss"]  # the critic (and its AdamW) carried over
-    a = pacs.load_value_model(pacs.Config(algo="ppo"),
-                              os.path.join(pacs.latest_checkpoint(str(tmp_path / "full")), "critic"),
+    a = plumbing.load_value_model(pacs.Config(algo="ppo"),
+                              os.path.join(plumbing.latest_checkpoint(str(tmp_path / "full")), "critic"),
                               torch.device("cpu"))
-    b = pacs.load_value_model(pacs.Config(algo="ppo"),
-                              os.path.join(pacs.latest_checkpoint(str(tmp_path / "part")), "critic"),
+    b = plumbing.load_value_model(pacs.Config(algo="ppo"),
+                              os.path.join(plumbing.latest_checkpoint(str(tmp_path / "part")), "critic"),
                               torch.device("cpu"))
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
@@ -501,7 +503,7 @@ def test_the_applied_update_is_the_clipped_gradient_when_its_norm_is_above_max_g
     scale = norm / torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in direction]))
     before = [p.detach().clone() for p in layer.parameters()]
     backward = lambda: sum((p * d * scale).sum() for p, d in zip(layer.parameters(), direction)).backward()
-    pacs.retry_smaller(cfg, pacs.Sizes.typed(cfg), "test", layer, backward)
+    plumbing.retry_smaller(cfg, plumbing.Sizes.typed(cfg), "test", layer, backward)
     grad_norm, applied = pacs.optimizer_update(cfg, layer, torch.optim.SGD(layer.parameters(), lr=1.0), "test")
     assert applied and grad_norm == pytest.approx(norm, rel=1e-5)  # the norm before clipping is what is logged
     for b, p, d in zip(before, layer.parameters(), direction):

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import pacs
+
+import plumbing
 from conftest import make_tiny_model_dir
 from critic_probe import rollout_updates  # experiments/, on the path by conftest
 
@@ -97,8 +99,8 @@ def test_calibration_counts_bin_sigma_psi_and_count_the_right_responses():
     torch.manual_seed(0)
     psi = torch.cat([torch.randn(200) * 0.1, torch.randn(50) * 2, torch.zeros(6), torch.tensor([-30.0, 30.0])])  # (B,)
     rewards = (torch.rand(len(psi)) < 0.6).float()  # (B,)
-    c = pacs.calibration_counts(psi, rewards)
-    edges, k = pacs.CALIBRATION_EDGES, len(pacs.CALIBRATION_EDGES) - 1
+    c = plumbing.calibration_counts(psi, rewards)
+    edges, k = plumbing.CALIBRATION_EDGES, len(plumbing.CALIBRATION_EDGES) - 1
     n, sigma, right = [0] * k, [0.0] * k, [0] * k
     for p, r in zip(torch.sigmoid(psi).tolist(), rewards.tolist()):
         b = next(i for i in range(k) if edges[i] <= p < edges[i + 1] or i == k - 1)
@@ -186,15 +188,15 @@ def test_critic_off_in_train_step_gives_mini_batch_0_pacs_gradient_exactly(tmp_p
     """accumulate_mini_batch on a real model: on mini-batch 0 (first=True) the two flags give the same .grad bit
     for bit; on a later mini-batch (pi_old off the current weights) they differ."""
     model_dir = make_tiny_model_dir(tmp_path / "m", chars="0123456789 +?=")
-    model, tok = pacs.load_model(model_dir)
+    model, tok = plumbing.load_model(model_dir)
     torch.manual_seed(0)
-    roll = pacs.sample(model, tok, [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "2 + 2 =")],
+    roll = pacs.sample(model, tok, [plumbing.build_prompt(tok, "1 + 6 ="), plumbing.build_prompt(tok, "2 + 2 =")],
                        group_size=4, max_new_tokens=5)
     rewards = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
     mask = roll["response_mask"].float()
 
     def grads(critic_on, first):
-        model, _ = pacs.load_model(model_dir)
+        model, _ = plumbing.load_model(model_dir)
         model.train()
         cfg = pacs.Config(group_size=4, prompts_per_step=2, num_mini_batches=1, micro_batch_size=8,
                           implicit_critic=critic_on)
@@ -233,8 +235,8 @@ def test_a_pacs_run_logs_the_critic_metrics_on_the_later_mini_batches(tmp_path, 
 
 
 def test_no_implicit_critic_is_a_pacs_flag():
-    with pytest.raises(pacs.ConfigError, match="--no-implicit-critic"):
-        pacs.check_config(pacs.parse_args(["--algo", "grpo", "--no-implicit-critic"]))
+    with pytest.raises(plumbing.ConfigError, match="--no-implicit-critic"):
+        plumbing.check_config(pacs.parse_args(["--algo", "grpo", "--no-implicit-critic"]))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -272,14 +274,14 @@ def test_rollout_updates_are_train_steps_phases_3_and_4(tmp_path, monkeypatch):
                       lr=1e-2, seed=3)
     device = torch.device("cpu")
 
-    model, tok = pacs.load_model(model_dir)
+    model, tok = plumbing.load_model(model_dir)
     torch.manual_seed(0)
     metrics, _ = pacs.train_step(cfg, model, tok, pacs.make_optimizer(cfg, model), problems, 1, device)
 
-    again, tok = pacs.load_model(model_dir)
-    batch = [problems[i] for i in pacs.batch_indices(1, len(problems), cfg.prompts_per_step, cfg.seed)]
+    again, tok = plumbing.load_model(model_dir)
+    batch = [problems[i] for i in plumbing.batch_indices(1, len(problems), cfg.prompts_per_step, cfg.seed)]
     torch.manual_seed(0)
-    roll = pacs.sample(again, tok, [pacs.build_prompt(tok, p["problem"]) for p in batch], cfg.group_size,
+    roll = pacs.sample(again, tok, [plumbing.build_prompt(tok, p["problem"]) for p in batch], cfg.group_size,
                        cfg.max_new_tokens, batch_prompts=cfg.gen_batch_prompts)
     rewards = pacs.reward_fn(None, None)
     updates = rollout_updates(cfg, again, pacs.make_optimizer(cfg, again), roll, rewards, device)

@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import critic_controls as cc  # noqa: E402
 import pacs  # noqa: E402
+import plumbing
 
 
 def _batch(seed=0, groups=5, G=6, T=7, dtype=torch.float64):
@@ -130,7 +131,7 @@ def _run(digit_model, digit_problems, out, *flags, control=None):
         cc.main(["--critic-control", control, *argv])
     else:
         pacs.main(argv)
-    return load_file(os.path.join(pacs.latest_checkpoint(str(out)), "model.safetensors"))
+    return load_file(os.path.join(plumbing.latest_checkpoint(str(out)), "model.safetensors"))
 
 
 def _mixed_rewards(responses, answers):

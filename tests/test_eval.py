@@ -107,12 +107,12 @@ def test_eval_generates_on_the_kernels_of_the_runs_rollouts_on_cuda(tiny_model_d
     calls = []
     monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: calls.append(("cudnn", on)))
     monkeypatch.setattr(torch.backends.cuda, "enable_math_sdp", lambda on: calls.append(("math", on)))
-    monkeypatch.setattr(ev.pacs, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(ev.plumbing, "resolve_device", lambda name: torch.device("cuda"))
 
     def load_model(*args, **kwargs):
         calls.append("load")
         raise SystemExit("stop before CUDA")
-    monkeypatch.setattr(ev.pacs, "load_model", load_model)
+    monkeypatch.setattr(ev.plumbing, "load_model", load_model)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         with pytest.raises(SystemExit, match="stop before CUDA"):
@@ -129,7 +129,7 @@ def read_rows(path):
 
 def test_flags_come_from_a_dataclass_as_in_pacs_py():
     """eval.py declares its flags as pacs.py does (a dataclass, one help per field, lines within 110 columns),
-    parsed by the same pacs.parse_flags (HfArgumentParser); --report still takes one or more directories."""
+    parsed by the same plumbing.parse_flags (HfArgumentParser); --report still takes one or more directories."""
     import dataclasses
     import inspect
     for cls in (ev.pacs.Config, ev.EvalConfig):
@@ -281,6 +281,7 @@ def test_bootstrap_interval_resamples_problems_not_samples():
 def test_resume_never_resamples_a_finished_batch_and_a_rerun_with_other_k_samples_nothing(
         tiny_model_dir, tiny_problems_file, tmp_path, monkeypatch):
     import pacs
+    import plumbing
     out = tmp_path / "run"
     problems = [json.loads(line) for line in open(tiny_problems_file)]
 
@@ -314,8 +315,8 @@ def test_resume_never_resamples_a_finished_batch_and_a_rerun_with_other_k_sample
     monkeypatch.setattr(pacs, "sample", counting_sample)
     appended.clear()
     ev.main(eval_args(tiny_model_dir, tiny_problems_file, out))
-    _, tok = pacs.load_model(tiny_model_dir)
-    prompt = {p["id"]: pacs.build_prompt(tok, p["problem"]) for p in problems}
+    _, tok = plumbing.load_model(tiny_model_dir)
+    prompt = {p["id"]: plumbing.build_prompt(tok, p["problem"]) for p in problems}
     assert prompt["t0"] not in sampled and prompt["t1"] not in sampled  # the finished batch is never redone
     assert all(prompt[f"t{i}"] in sampled for i in range(3, 8))
     assert appended == [f"t{i}" for i in range(3, 8)]  # t2 finished before the kill: its row is kept, not redone
@@ -328,7 +329,7 @@ def test_resume_never_resamples_a_finished_batch_and_a_rerun_with_other_k_sample
     def no_model(*args, **kwargs):
         raise AssertionError("a finished run loaded the model again")
 
-    monkeypatch.setattr(pacs, "load_model", no_model)
+    monkeypatch.setattr(plumbing, "load_model", no_model)
     ev.main(eval_args(tiny_model_dir, tiny_problems_file, out)[:-2] + ["--k", "1", "--out", str(out)])
     assert sampled == [] and (out / "samples.jsonl").read_text().splitlines(keepends=True) == after
     assert set(json.loads((out / "metrics.json").read_text())["datasets"]["tiny"]["pass@k"]) == {"1"}
@@ -374,11 +375,11 @@ def test_beyondaime_preset_from_an_offline_copy_under_protocol_v2(tiny_model_dir
     assert (metrics["n"], metrics["temperature"], metrics["top_p"], metrics["max_new_tokens"]) == (2, 0.6, 0.95, 4)
     assert set(metrics["datasets"]) == {"beyondaime"}
     assert set(metrics["datasets"]["beyondaime"]["pass@k"]) == {"1"}  # v2's k within n = 2
-    assert "beyondaime" not in ev.pacs.PRESETS  # added for the call only: pacs.py's training presets stay its own
+    assert "beyondaime" not in ev.plumbing.PRESETS  # added for the call only: the training presets stay as they are
 
 
 def test_beyondaime_preset_loads_its_hub_dataset(monkeypatch, tmp_path):
-    """Through pacs.load_problems's hub code: ByteDance-Seed/BeyondAIME, split test, columns problem and answer."""
+    """Through plumbing.load_problems's hub code: ByteDance-Seed/BeyondAIME, split test, columns problem and answer."""
     import datasets
     calls = []
 

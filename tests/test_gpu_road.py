@@ -17,6 +17,8 @@ import torch
 
 import pacs
 
+import plumbing
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN = os.path.join(ROOT, "..", "shared", "models", "qwen2.5-0.5b-instruct")
 needs_qwen = pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN, "config.json")),
@@ -43,14 +45,14 @@ def nan_on_left_padding(model):
 
 
 def padded_prompts(tok):
-    return [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 =")]  # lengths differ: left padding
+    return [plumbing.build_prompt(tok, "1 + 6 ="), plumbing.build_prompt(tok, "12 + 3 =")]  # unequal: left padding
 
 
 # ---- 4. a NaN on rows of left padding is caught --------------------------------------------------------------
 def test_a_nan_from_left_padding_in_generates_prefill_is_one_line_error(digit_model):
-    model, tok = pacs.load_model(digit_model)
+    model, tok = plumbing.load_model(digit_model)
     nan_on_left_padding(model)
-    with pytest.raises(pacs.ConfigError, match=r"non-finite logits of generate's prefill: 1 of 2 rows, 1 of them "
+    with pytest.raises(plumbing.ConfigError, match=r"non-finite logits of generate's prefill: 1 of 2 rows, 1 of them "
                                                r"with a left-padded prompt"):
         pacs.sample(model, tok, padded_prompts(tok), group_size=2, max_new_tokens=3)
 
@@ -59,25 +61,25 @@ def test_a_nan_from_left_padding_in_the_trainers_forward_stops_the_step(digit_mo
     # the sampler is clean, the trained model's prompt forward gets NaN on its padding: the log-probs of the padded
     # prompt's rows must not reach psi, the loss and the update as NaN. A micro-batch of one group has no padding
     # (columns that are padding in every row are trimmed): two groups of unequal prompts share one here
-    model, tok = pacs.load_model(digit_model)
-    rollout, _ = pacs.load_model(digit_model)
+    model, tok = plumbing.load_model(digit_model)
+    rollout, _ = plumbing.load_model(digit_model)
     nan_on_left_padding(model)
     torch.manual_seed(0)
     cfg = pacs.Config(group_size=4, prompts_per_step=2, num_mini_batches=1, micro_batch_size=8, max_new_tokens=3)
     problems = [{"problem": "1 + 6 =", "answer": "7"}, {"problem": "12 + 3 =", "answer": "15"}]
     optimizer = pacs.make_optimizer(cfg, model)
-    with pytest.raises(pacs.ConfigError, match=r"non-finite log-probs of rows 0\.\.7: 4 of 8 rows, 4 of them with a "
-                                               r"left-padded prompt"):
+    with pytest.raises(plumbing.ConfigError, match=r"non-finite log-probs of rows 0\.\.7: 4 of 8 rows, 4 of them "
+                                                   r"with a left-padded prompt"):
         pacs.train_step(cfg, model, tok, optimizer, problems, 0, torch.device("cpu"), rollout)
 
 
 def test_check_finite_passes_finite_values_and_names_the_rows_it_refuses():
     mask = torch.tensor([[0, 1, 1], [1, 1, 1], [1, 1, 1]])
-    pacs.check_finite(torch.zeros(3, 4), "x", mask)
+    plumbing.check_finite(torch.zeros(3, 4), "x", mask)
     values = torch.zeros(3, 4)
     values[0, 1], values[2, 3] = float("nan"), float("inf")
-    with pytest.raises(pacs.ConfigError, match=r"non-finite x: 2 of 3 rows, 1 of them with a left-padded prompt"):
-        pacs.check_finite(values, "x", mask)
+    with pytest.raises(plumbing.ConfigError, match=r"non-finite x: 2 of 3 rows, 1 of them with a left-padded prompt"):
+        plumbing.check_finite(values, "x", mask)
 
 
 # ---- 5. the attention kernels are pinned where log-probs are taken ---------------------------------------------
@@ -85,16 +87,16 @@ def test_the_pin_leaves_flash_and_memory_efficient_attention_on_cuda_and_nothing
     flags = lambda: {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in
                      ("flash", "mem_efficient", "math", "cudnn")}
     before = flags()
-    with pacs.pin_attention("cuda"):
+    with plumbing.pin_attention("cuda"):
         assert flags() == {"flash": True, "mem_efficient": True, "math": False, "cudnn": False}
     assert flags() == before
-    with pacs.pin_attention("cpu"):  # the CPU road is untouched
+    with plumbing.pin_attention("cpu"):  # the CPU road is untouched
         assert flags() == before
 
 
 def test_every_attention_call_of_the_log_prob_forwards_runs_under_the_pin(digit_model, digit_rollout, monkeypatch):
     roll, rewards = digit_rollout
-    model, _ = pacs.load_model(digit_model)
+    model, _ = plumbing.load_model(digit_model)
     depth, calls = {"n": 0}, []
 
     @contextlib.contextmanager
@@ -108,7 +110,7 @@ def test_every_attention_call_of_the_log_prob_forwards_runs_under_the_pin(digit_
     real = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda *a, **k: calls.append(depth["n"] > 0) or real(*a, **k))
-    monkeypatch.setattr(pacs, "pin_attention", recording_pin)
+    monkeypatch.setattr(plumbing, "pin_attention", recording_pin)
     cfg = pacs.Config(group_size=4, prompts_per_step=2, num_mini_batches=2, micro_batch_size=4, max_new_tokens=6,
                       lr=0.0)
     from critic_probe import rollout_updates  # experiments/: phases 3 and 4 of train_step on a given rollout
@@ -118,26 +120,26 @@ def test_every_attention_call_of_the_log_prob_forwards_runs_under_the_pin(digit_
 
 # ---- 6. the plan reads the memory this process can have ------------------------------------------------------
 def test_the_plan_starts_from_free_memory_plus_what_this_process_holds(monkeypatch):
-    GiB = pacs.GiB
+    GiB = plumbing.GiB
     # a "24 GB" card (22.5 GiB) with a display holding 1.5 GiB: our weights hold 2 GiB, the context 0.5, 18.5 free
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(18.5 * GiB), int(22.5 * GiB)))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 2 * GiB)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: pytest.fail("the card's total was read"))
-    assert pacs.device_memory("cuda") == 21 * GiB  # 22.5 less the display's 1.5: 18.5 + 2 + 0.5 of context
-    assert pacs.plan_budget("cuda", pacs.device_memory("cuda")) == pytest.approx(0.9 * 20.5 * GiB)
-    assert pacs.device_memory("cuda", 22.5) == 22.5 * GiB  # --memory-gib still says what the card reports
+    assert plumbing.device_memory("cuda") == 21 * GiB  # 22.5 less the display's 1.5: 18.5 + 2 + 0.5 of context
+    assert plumbing.plan_budget("cuda", plumbing.device_memory("cuda")) == pytest.approx(0.9 * 20.5 * GiB)
+    assert plumbing.device_memory("cuda", 22.5) == 22.5 * GiB  # --memory-gib still says what the card reports
 
 
 @needs_qwen
 def test_a_card_shared_with_a_display_gets_a_smaller_plan(monkeypatch):
-    config = pacs.load_model_config(QWEN)
-    n = pacs.count_parameters(config)
+    config = plumbing.load_model_config(QWEN)
+    n = plumbing.count_parameters(config)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 4 * n)  # the loaded fp32 weights
     chosen = {}
     for display_gib in (0.0, 3.0):
-        free = 22.5 * pacs.GiB - pacs.CUDA_CONTEXT - 4 * n - display_gib * pacs.GiB
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(free), int(22.5 * pacs.GiB)))
-        sizes, _ = pacs.plan_memory(pacs.Config(), config, n, "cuda")
+        free = 22.5 * plumbing.GiB - plumbing.CUDA_CONTEXT - 4 * n - display_gib * plumbing.GiB
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(free), int(22.5 * plumbing.GiB)))
+        sizes, _ = plumbing.plan_memory(pacs.Config(), config, n, "cuda")
         chosen[display_gib] = (sizes.micro_batch_size, sizes.gen_batch_prompts)
     assert chosen[0.0] == (2, 64)  # the whole card: docs/gpu.md's 24 GB row
     assert chosen[3.0] < chosen[0.0], chosen
@@ -158,12 +160,12 @@ def test_device_auto_without_a_gpu_refuses_the_default_settings_in_one_line(tiny
     assert err.splitlines()[-1].startswith("pacs.py: error: --device auto found no usable GPU ("), err
     assert "1,048,576 tokens per step" in err and "--device cpu" in err
     cfg = pacs.Config(device="cuda")
-    with pytest.raises(pacs.ConfigError, match="--device cuda, but CUDA is unusable here: "):
-        pacs.pick_device(cfg)
+    with pytest.raises(plumbing.ConfigError, match="--device cuda, but CUDA is unusable here: "):
+        plumbing.pick_device(cfg)
     small = pacs.Config(prompts_per_step=4, group_size=4, max_new_tokens=32)  # a CPU run's size: no refusal
-    assert pacs.pick_device(small).type == "cpu"
-    assert pacs.pick_device(pacs.Config(device="cpu")).type == "cpu"  # asked for: always
-    assert pacs.pick_device(pacs.Config(plan_only=True)).type == "cpu"  # the plan needs no device
+    assert plumbing.pick_device(small).type == "cpu"
+    assert plumbing.pick_device(pacs.Config(device="cpu")).type == "cpu"  # asked for: always
+    assert plumbing.pick_device(pacs.Config(plan_only=True)).type == "cpu"  # the plan needs no device
 
 
 def test_the_refusal_names_the_cause_torch_gives(monkeypatch):
@@ -174,16 +176,17 @@ def test_the_refusal_names_the_cause_torch_gives(monkeypatch):
         raise RuntimeError("The NVIDIA driver on your system is too old (found version 12020).\nPlease update it.")
 
     monkeypatch.setattr(torch.cuda, "init", old_driver)
-    with pytest.raises(pacs.ConfigError, match=r"no usable GPU \(The NVIDIA driver on your system is too old \(found "
-                                               r"version 12020\)\.\), and these settings generate 1,048,576 tokens"):
-        pacs.pick_device(pacs.Config())
+    with pytest.raises(plumbing.ConfigError, match=r"no usable GPU \(The NVIDIA driver on your system is too old "
+                                                   r"\(found version 12020\)\.\), and these settings generate "
+                                                   r"1,048,576 tokens"):
+        plumbing.pick_device(pacs.Config())
 
 
 # ---- 8. one LM head pass gives the log-prob and the entropy ----------------------------------------------------
 @pytest.mark.parametrize("grad", [False, True])
 def test_the_entropy_comes_from_the_log_probs_logits_and_equals_the_two_pass_value(digit_model, digit_rollout, grad):
     roll, _ = digit_rollout
-    model, _ = pacs.load_model(digit_model)
+    model, _ = plumbing.load_model(digit_model)
     head, seen = model.get_output_embeddings(), []
     handle = head.register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
     args = (roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"], roll["response_mask"], 0.9)
@@ -215,18 +218,18 @@ def test_cuda_gets_expandable_segments_unless_the_user_set_the_allocator(monkeyp
     applied = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", applied.append)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert pacs.pick_device(pacs.Config()).type == "cuda"
+    assert plumbing.pick_device(pacs.Config()).type == "cuda"
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert applied == ["expandable_segments:True"]
     assert "[memory] PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set by pacs.py" in capsys.readouterr().err
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")  # the user's choice stands
     applied.clear()
-    assert pacs.use_expandable_segments() is False and applied == []
+    assert plumbing.use_expandable_segments() is False and applied == []
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
     assert "as given: {'PYTORCH_CUDA_ALLOC_CONF': 'backend:cudaMallocAsync'}" in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU road: nothing set
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    pacs.pick_device(pacs.Config(device="cpu"))
+    plumbing.pick_device(pacs.Config(device="cpu"))
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
 
 
@@ -235,7 +238,7 @@ def test_setting_the_allocator_at_run_time_warns_of_nothing(monkeypatch, capsys)
     # not (tests/conftest.py turns a FutureWarning from our code into an error). On a CPU build it changes nothing.
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.setenv(name, "")
-    assert pacs.use_expandable_segments() is True
+    assert plumbing.use_expandable_segments() is True
 
 
 # ---- 9. the checkpoint clock -----------------------------------------------------------------------------------
@@ -244,7 +247,7 @@ def test_the_save_minutes_default_lies_in_youngs_interval_for_a_checkpoint_of_th
     # A checkpoint of Qwen2.5-0.5B: fp32 weights and AdamW's two moments, 12 bytes per parameter (5.9 GB). Written
     # at 0.5 to 1 GB/s it costs C = 6 to 12 s; with a mean time between interruptions M of 6 h to a day, the interval
     # that loses the least time (Young: sqrt(2 C M)) is 8 to 24 minutes. 5 minutes wrote 6 GB every 5 minutes.
-    n = pacs.count_parameters(pacs.load_model_config(QWEN))
+    n = plumbing.count_parameters(plumbing.load_model_config(QWEN))
     checkpoint = 12 * n
     assert 5.8e9 < checkpoint < 6.0e9
     young = lambda rate, hours: math.sqrt(2 * checkpoint / rate * hours * 3600) / 60  # minutes
@@ -275,10 +278,10 @@ def small_memory(monkeypatch):
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_lp(model, prompt_ids, *a, **k)
 
-    def generate(model, generation_config, **inputs):
+    def generate(model, generation_config, *levers, **inputs):
         if inputs["input_ids"].shape[0] > 2 * 4:  # more than 2 prompts of G = 4
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_gen(model, generation_config, **inputs)
+        return real_gen(model, generation_config, *levers, **inputs)
 
     monkeypatch.setattr(pacs, "response_logprobs", logprobs)
     monkeypatch.setattr(pacs, "generate_exactly", generate)
@@ -301,8 +304,8 @@ def test_a_resume_continues_at_the_sizes_an_out_of_memory_retry_halved(digit_mod
     # the resumed process has the memory to try 4 again, but an uninterrupted run never would: it continues at 2
     calls = []
     real_gen = pacs.generate_exactly
-    monkeypatch.setattr(pacs, "generate_exactly", lambda model, config, **inputs: calls.append(
-        inputs["input_ids"].shape[0] // 4) or real_gen(model, config, **inputs))  # prompts per generate call
+    monkeypatch.setattr(pacs, "generate_exactly", lambda model, config, *lv, **inputs: calls.append(
+        inputs["input_ids"].shape[0] // 4) or real_gen(model, config, *lv, **inputs))  # prompts per generate call
     resumed = run(digit_model, tmp_path / "part", "--steps", "3", "--resume")
     assert resumed[2]["micro_batch_size"] == 2 and calls == [2, 2]
     timing = ("time_generate", "time_verify", "time_old_logprobs", "time_update", "time_eval", "time_save",
@@ -314,12 +317,13 @@ def test_a_resume_continues_at_the_sizes_an_out_of_memory_retry_halved(digit_mod
 def test_resumed_sizes_keep_the_checkpoints_unless_the_flag_changed(capsys):
     state = {"sizes": {"micro_batch_size": 2, "gen_batch_prompts": 16},
              "config": {"micro_batch_size": 0, "gen_batch_prompts": 0}}  # both typed 0 (auto) by the saving run
-    planned = pacs.Sizes(8, 64)
-    assert pacs.resumed_sizes(pacs.Config(), planned, state) == pacs.Sizes(2, 16)  # the same command: restored
+    planned = plumbing.Sizes(8, 64)
+    assert plumbing.resumed_sizes(pacs.Config(), planned, state) == plumbing.Sizes(2, 16)  # the same command: restored
     assert "[resume] batch sizes as the checkpoint left them" in capsys.readouterr().err
     # --gen-batch-prompts typed differently now: that one is the user's (planned), the other restored
-    assert pacs.resumed_sizes(pacs.Config(gen_batch_prompts=32), pacs.Sizes(8, 32), state) == pacs.Sizes(2, 32)
-    assert pacs.resumed_sizes(pacs.Config(), planned, {"config": {}}) == planned  # a checkpoint from before sizes
+    resumed = plumbing.resumed_sizes(pacs.Config(gen_batch_prompts=32), plumbing.Sizes(8, 32), state)
+    assert resumed == plumbing.Sizes(2, 32)
+    assert plumbing.resumed_sizes(pacs.Config(), planned, {"config": {}}) == planned  # a checkpoint from before sizes
 
 
 # ---- 1, 2. the check's own measurements: both peaks, a real allocator cap ----------------------------------------
@@ -350,11 +354,11 @@ def test_memory_gib_caps_the_allocator_at_what_that_card_leaves_it(monkeypatch):
     import gpu_step
     caps = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(
-        total_memory=80 * pacs.GiB))
+        total_memory=80 * plumbing.GiB))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, *a: caps.append(f))
     fraction, allowed = gpu_step.cap_allocator(22.5)
     assert caps == [fraction] and fraction == pytest.approx(22 / 80)  # 22.5 less the CUDA context outside it
-    assert allowed == pytest.approx(22 * pacs.GiB)
+    assert allowed == pytest.approx(22 * plumbing.GiB)
 
 
 # ---- the prepared GPU check, rehearsed on the CPU at a tiny shape -------------------------------------------------

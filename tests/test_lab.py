@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import lab  # noqa: E402
 import pacs  # noqa: E402
+import plumbing
 from verify import verify  # noqa: E402
 
 SIZES = {"sft": 3000, "train": 1000, "val": 200, "test": 200}
@@ -107,17 +108,17 @@ def test_tokenizer_keeps_sequences_short_and_survives_a_reload(splits, tmp_path)
     assert len(tok) < 32
     tok.save_pretrained(tmp_path)
     from transformers import AutoTokenizer
-    again = AutoTokenizer.from_pretrained(tmp_path)  # as pacs.load_model reloads it
+    again = AutoTokenizer.from_pretrained(tmp_path)  # as plumbing.load_model reloads it
     for r in splits["test"]:
-        prompt = pacs.build_prompt(tok, r["problem"])
-        assert prompt.startswith("<|user|>What is") and prompt.endswith(pacs.PROMPT_SUFFIX + "<|assistant|>")
+        prompt = plumbing.build_prompt(tok, r["problem"])
+        assert prompt.startswith("<|user|>What is") and prompt.endswith(plumbing.PROMPT_SUFFIX + "<|assistant|>")
         p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         s_ids = tok(r["solution"], add_special_tokens=False)["input_ids"]
         assert len(p_ids) == 12 and len(s_ids) <= 20  # + EOS: at most 21 tokens to write
         assert tok.decode(s_ids) == r["solution"] and tok.decode(p_ids) == prompt
         assert again(prompt, add_special_tokens=False)["input_ids"] == p_ids
         assert again(r["solution"], add_special_tokens=False)["input_ids"] == s_ids
-        assert pacs.build_prompt(again, r["problem"]) == prompt
+        assert plumbing.build_prompt(again, r["problem"]) == prompt
 
 
 # ---- the builder ------------------------------------------------------------------------------------
@@ -232,7 +233,7 @@ def test_sft_loss_reads_only_the_solution_and_its_eos(splits):
             {"problem": "What is 10+1+1?", "solution": "10+1=11\n11+1=\\boxed{12}"}]
     ids, labels, attention = lab.encode_sft(tok, rows)  # (N, L) each
     for i, r in enumerate(rows):
-        prompt = tok(pacs.build_prompt(tok, r["problem"]), add_special_tokens=False)["input_ids"]
+        prompt = tok(plumbing.build_prompt(tok, r["problem"]), add_special_tokens=False)["input_ids"]
         answer = tok(r["solution"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         n = len(prompt) + len(answer)
         assert ids[i, :n].tolist() == prompt + answer and attention[i].tolist() == [1] * n + [0] * (ids.shape[1] - n)

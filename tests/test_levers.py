@@ -4,6 +4,7 @@ several groups in a micro-batch, --full-rows gives the shared prompt's log-probs
 fits them on CUDA), every step logs the time of its eval and of the checkpoint before it, eval.py sizes
 its batch from the memory plan on CUDA, and the prepared check's summary reads FAIL where a check failed."""
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 import torch
@@ -19,7 +21,9 @@ import torch.nn.functional as F
 from scipy import stats
 
 import eval as ev
+import levers
 import pacs
+import plumbing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -33,12 +37,13 @@ needs_qwen = pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN, "config.js
 def test_static_cache_samples_what_the_dynamic_cache_samples(digit_model, group_size, greedy):
     """Same seed, same tokens: the prompts' prefix cache copied into the static one (G > 1) or generate's own prefill
     into it (G = 1), with prompts of unequal length (left padding), and the masks after EOS."""
-    model, tok = pacs.load_model(digit_model)
-    prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 + 40 = ?")]
+    model, tok = plumbing.load_model(digit_model)
+    prompts = [plumbing.build_prompt(tok, "1 + 6 ="), plumbing.build_prompt(tok, "12 + 3 + 40 = ?")]
     rolls = []
     for cache_tokens in (0, 80):
         torch.manual_seed(0)
-        rolls.append(pacs.sample(model, tok, prompts, group_size, 12, 1.5, greedy=greedy, cache_tokens=cache_tokens))
+        rolls.append(pacs.sample(model, tok, prompts, group_size, 12, 1.5, greedy=greedy,
+                                 lv=levers.Levers(cache_tokens=cache_tokens)))
     for key in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "truncated"):
         assert torch.equal(rolls[0][key], rolls[1][key]), key
 
@@ -46,10 +51,10 @@ def test_static_cache_samples_what_the_dynamic_cache_samples(digit_model, group_
 def test_static_cache_samples_the_models_distribution(digit_model):
     """A chi-squared test of 4,000 first tokens sampled through the static cache (its prefix copied from the shared
     prefill) against the softmax of a plain forward over the prompt."""
-    model, tok = pacs.load_model(digit_model)
-    prompt = pacs.build_prompt(tok, "12 + 3 =")
+    model, tok = plumbing.load_model(digit_model)
+    prompt = plumbing.build_prompt(tok, "12 + 3 =")
     torch.manual_seed(1)
-    roll = pacs.sample(model, tok, [prompt], 4000, 1, 1.0, batch_prompts=1, cache_tokens=40)
+    roll = pacs.sample(model, tok, [prompt], 4000, 1, 1.0, batch_prompts=1, lv=levers.Levers(cache_tokens=40))
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         p = torch.softmax(model(input_ids=ids).logits[0, -1].double(), -1)
@@ -79,12 +84,12 @@ def test_folded_attention_is_sdpa_over_every_head():
     q, k, v = torch.randn(2, 6, 1, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)  # 6 heads on 2 K/V heads
     mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
     mask[0, ..., :4] = False  # row 0 left-padded
-    out, _ = pacs.folded_gqa_attention(module, q, k, v, mask, scaling=0.3)  # (B, 1, H, D)
+    out, _ = levers.folded_gqa_attention(module, q, k, v, mask, scaling=0.3)  # (B, 1, H, D)
     ref = F.scaled_dot_product_attention(q, repeat_kv(k, 3), repeat_kv(v, 3), attn_mask=mask, scale=0.3)
     torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-6, atol=1e-6)
     q4 = torch.randn(2, 6, 4, 8)
     mask4 = torch.ones(2, 1, 4, 10, dtype=torch.bool).tril(6)
-    assert torch.equal(pacs.folded_gqa_attention(module, q4, k, v, mask4, scaling=0.3)[0],
+    assert torch.equal(levers.folded_gqa_attention(module, q4, k, v, mask4, scaling=0.3)[0],
                        sdpa_attention_forward(module, q4, k, v, mask4, scaling=0.3)[0])
 
 
@@ -92,12 +97,12 @@ def flex_case():
     """q (B, 2, 7, 16), k, v (B, 2, S, 16), a mask (B, 1, 1, S) with left padding that empties a row's first block,
     caches filled to 1, 2 and 3 of their 3 blocks; and which blocks hold no key to attend (B, 3)."""
     torch.manual_seed(0)
-    b, S = 3, 3 * pacs.FLEX_BLOCK
+    b, S = 3, 3 * levers.FLEX_BLOCK
     q, k, v = torch.randn(b, 2, 7, 16), torch.randn(b, 2, S, 16), torch.randn(b, 2, S, 16)
     positions = torch.arange(S)
-    start, end = torch.tensor([0, 130, 5]), torch.tensor([100, S, 2 * pacs.FLEX_BLOCK + 1])
+    start, end = torch.tensor([0, 130, 5]), torch.tensor([100, S, 2 * levers.FLEX_BLOCK + 1])
     mask = ((positions >= start[:, None]) & (positions < end[:, None]))[:, None, None, :]  # (B, 1, 1, S)
-    empty = ~mask.view(b, 3, pacs.FLEX_BLOCK).any(-1)  # (B, 3)
+    empty = ~mask.view(b, 3, levers.FLEX_BLOCK).any(-1)  # (B, 3)
     assert empty.tolist() == [[False, True, True], [True, False, False], [False, False, False]]
     return q, k, v, mask, empty
 
@@ -109,16 +114,14 @@ def test_flex_decode_attention_is_sdpa_under_the_mask():
     from transformers.integrations.sdpa_attention import repeat_kv
     q, k, v, mask, _ = flex_case()
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
-    torch.testing.assert_close(pacs.flex_decode_attention(q, k, v, mask, 0.3), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(levers.flex_decode_attention(q, k, v, mask, 0.3), ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="whole blocks of 128 positions"):  # folded_gqa_attention takes SDPA then
-        pacs.flex_decode_attention(q, k[:, :, :200], v[:, :, :200], mask[..., :200])
+        levers.flex_decode_attention(q, k[:, :, :200], v[:, :, :200], mask[..., :200])
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 7, True
     query = q.reshape(3, 14, 1, 16)
     sdpa = F.scaled_dot_product_attention(query, repeat_kv(k, 7), repeat_kv(v, 7), attn_mask=mask, scale=0.3)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(pacs.DECODE, "attention", "flex")
-        out, _ = pacs.folded_gqa_attention(module, query, k, v, mask, scaling=0.3)
+    out, _ = levers.folded_gqa_attention(module, query, k, v, mask, scaling=0.3, flex=True)
     torch.testing.assert_close(out, sdpa.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
@@ -130,7 +133,7 @@ def cpu_inductor(monkeypatch, tmp_path):
     import torch._inductor.config as inductor_config
     from torch._inductor import cpu_vec_isa
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    with inductor_config.patch({} if cpu_vec_isa.pick_vec_isa() else {"cpp.simdlen": 1}):  # as pacs.scalar_cpu_compile
+    with inductor_config.patch({} if cpu_vec_isa.pick_vec_isa() else {"cpp.simdlen": 1}):  # levers.scalar_cpu_compile
         yield
 
 
@@ -154,9 +157,9 @@ def test_compiled_flex_decode_attention_never_reads_an_empty_block(cpu_inductor)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
     poisoned = [t.clone() for t in (k, v)]
     for t in poisoned:  # (B, 2, 3 blocks, FLEX_BLOCK, 16)
-        t.view(3, 2, 3, pacs.FLEX_BLOCK, 16)[empty[:, None, :, None, None].expand(3, 2, 3, pacs.FLEX_BLOCK, 16)] = \
-            float("nan")
-    torch.testing.assert_close(torch.compile(pacs.flex_decode_attention)(q, *poisoned, mask, 0.3), ref,
+        blocks = (3, 2, 3, levers.FLEX_BLOCK, 16)
+        t.view(blocks)[empty[:, None, :, None, None].expand(blocks)] = float("nan")
+    torch.testing.assert_close(torch.compile(levers.flex_decode_attention)(q, *poisoned, mask, 0.3), ref,
                                rtol=1e-5, atol=1e-5)
     assert F.scaled_dot_product_attention(q, *poisoned, attn_mask=mask, scale=0.3).isnan().any()
 
@@ -165,46 +168,43 @@ def test_compiled_flex_decode_attention_never_reads_an_empty_block(cpu_inductor)
 def test_flex_static_cache_samples_what_the_dynamic_cache_samples(digit_model, monkeypatch):
     """--static-cache flex: the same tokens as the dynamic cache for a seed, its cache rounded up to whole blocks
     (80 positions asked: one block of 128), and setup_model picks the kernel from the flag."""
-    model, tok = pacs.load_model(digit_model)
-    prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 + 40 = ?")]
+    model, tok = plumbing.load_model(digit_model)
+    prompts = [plumbing.build_prompt(tok, "1 + 6 ="), plumbing.build_prompt(tok, "12 + 3 + 40 = ?")]
     torch.manual_seed(0)
     dynamic = pacs.sample(model, tok, prompts, 4, 12, 1.5)
-    lengths, flex, static_cache = [], pacs.flex_decode_attention, pacs.static_cache
-    monkeypatch.setattr(pacs, "flex_decode_attention", lambda q, k, *a: lengths.append(k.shape[2]) or flex(q, k, *a))
-    monkeypatch.setattr(pacs, "static_cache", lambda *a: static_cache(*a))
-    monkeypatch.setitem(pacs.DECODE, "attention", "flex")
+    lengths, flex, static_cache = [], levers.flex_decode_attention, levers.static_cache
+    monkeypatch.setattr(levers, "flex_decode_attention", lambda q, k, *a: lengths.append(k.shape[2]) or flex(q, k, *a))
+    monkeypatch.setattr(levers, "static_cache", lambda *a: static_cache(*a))
     torch.manual_seed(0)
-    blocks = pacs.sample(model, tok, prompts, 4, 12, 1.5, cache_tokens=80)
+    blocks = pacs.sample(model, tok, prompts, 4, 12, 1.5, lv=levers.Levers(cache_tokens=80, flex=True))
     for key in dynamic:
         assert torch.equal(dynamic[key], blocks[key]), key
-    assert lengths and set(lengths) == {pacs.FLEX_BLOCK}
-    cfg = pacs.parse_args(["--static-cache", "flex", "--device", "cpu"])
-    assert pacs.static_cache_on(cfg, "cpu") and pacs.cache_tokens(cfg, torch.device("cpu")) == 1536
-    pacs.setup_model(cfg, digit_model, torch.device("cpu"))
-    assert pacs.DECODE["attention"] == "flex"
-    pacs.setup_model(pacs.parse_args(["--device", "cpu"]), digit_model, torch.device("cpu"))
-    assert pacs.DECODE["attention"] == "sdpa"
+    assert lengths and set(lengths) == {levers.FLEX_BLOCK}
+    lv = levers.on_device(pacs.parse_args(["--static-cache", "flex", "--device", "cpu"]), "cpu")
+    assert lv.cache_tokens == 1536 and lv.flex
+    lv = levers.on_device(pacs.parse_args(["--device", "cpu"]), "cuda")
+    assert lv.cache_tokens == 1536 and not lv.flex
 
 
 def test_static_cache_decodes_with_folded_heads(digit_model, monkeypatch):
     """--static-cache's generate runs folded_gqa_attention: every decode step's attention on the K/V heads (2 here,
     2 query heads each), none on K/V copied for each of the 4 query heads. The model is back on SDPA afterwards,
     also after an error, and the dynamic cache's generate runs SDPA."""
-    model, tok = pacs.load_model(digit_model)
-    prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 + 40 = ?")]
-    shapes, names, sdpa, generate = [], [], F.scaled_dot_product_attention, pacs.generate_exactly
+    model, tok = plumbing.load_model(digit_model)
+    prompts = [plumbing.build_prompt(tok, "1 + 6 ="), plumbing.build_prompt(tok, "12 + 3 + 40 = ?")]
+    shapes, names, sdpa, generate = [], [], F.scaled_dot_product_attention, model.generate
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, *a, **kw: shapes.append(
         (tuple(q.shape), k.shape[1])) or sdpa(q, k, *a, **kw))
-    monkeypatch.setattr(pacs, "generate_exactly", lambda m, *a, **k: names.append(m.config._attn_implementation)
-                        or generate(m, *a, **k))
-    pacs.sample(model, tok, prompts, 4, 6, cache_tokens=80)
+    monkeypatch.setattr(model, "generate", lambda *a, **k: names.append(model.config._attn_implementation)
+                        or generate(*a, **k))
+    pacs.sample(model, tok, prompts, 4, 6, lv=levers.Levers(cache_tokens=80))
     pacs.sample(model, tok, prompts, 4, 6)
-    assert names == [pacs.FOLDED_GQA, "sdpa"] and model.config._attn_implementation == "sdpa"
+    assert names == [levers.FOLDED_GQA, "sdpa"] and model.config._attn_implementation == "sdpa"
     decode = [s for s in shapes if s[0][0] == 8]  # 2 prompts x 4 rows: the prefill ran on one row a prompt
     assert decode and all(q == (8, 2, 2, 16) and kv_heads == 2 for q, kv_heads in decode), set(shapes)
-    monkeypatch.setattr(pacs, "generate_exactly", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(model, "generate", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        pacs.sample(model, tok, prompts, 4, 6, cache_tokens=80)
+        pacs.sample(model, tok, prompts, 4, 6, lv=levers.Levers(cache_tokens=80))
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -219,11 +219,11 @@ def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_mode
     from transformers import CompileConfig
     if attention == "flex" and compiled_flex_skip():
         pytest.skip(compiled_flex_skip())
-    monkeypatch.setitem(pacs.DECODE, "attention", attention)
+    lv = levers.Levers(cache_tokens=80, flex=attention == "flex")
     torch._dynamo.reset()  # a decode step compiled earlier in this process at another cache length would make that
     # length dynamic here, which inductor's flex_attention on the CPU does not take (a run keeps one length)
-    model, tok = pacs.load_model(digit_model)
-    prompts = [pacs.build_prompt(tok, "1 + 6 ="), pacs.build_prompt(tok, "12 + 3 + 40 = ?")]
+    model, tok = plumbing.load_model(digit_model)
+    prompts = [plumbing.build_prompt(tok, "1 + 6 ="), plumbing.build_prompt(tok, "12 + 3 + 40 = ?")]
     torch.manual_seed(0)
     dynamic = pacs.sample(model, tok, prompts, 4, 12, 1.5)
     compile_config = CompileConfig(mode="default")  # no CUDA graphs on the CPU
@@ -235,10 +235,10 @@ def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_mode
         generation_config.compile_config = compile_config
         return generation_config
     monkeypatch.setattr(pacs, "rollout_generation_config", compiled)
-    traced, flex = [], pacs.flex_decode_attention
-    monkeypatch.setattr(pacs, "flex_decode_attention", lambda *a: traced.append(a[1].shape) or flex(*a))
+    traced, flex = [], levers.flex_decode_attention
+    monkeypatch.setattr(levers, "flex_decode_attention", lambda *a: traced.append(a[1].shape) or flex(*a))
     torch.manual_seed(0)
-    compiled = pacs.sample(model, tok, prompts, 4, 12, 1.5, cache_tokens=80)
+    compiled = pacs.sample(model, tok, prompts, 4, 12, 1.5, lv=lv)
     for key in dynamic:
         assert torch.equal(dynamic[key], compiled[key]), key
     assert bool(traced) == (attention == "flex")  # traced into the compiled decode step (flex), or never called
@@ -247,11 +247,11 @@ def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_mode
     # a second batch shape (an eval's, an OOM's halving) compiles the step again, statically: compiled for a dynamic
     # batch, flex does not build on the CPU. Without the spy, whose list dynamo guards (every call recompiled, until
     # its limit sends the step to eager)
-    monkeypatch.setattr(pacs, "flex_decode_attention", flex)
+    monkeypatch.setattr(levers, "flex_decode_attention", flex)
     torch._dynamo.reset()
-    pacs.sample(model, tok, prompts, 4, 12, 1.5, cache_tokens=80)
+    pacs.sample(model, tok, prompts, 4, 12, 1.5, lv=lv)
     torch.manual_seed(1)
-    compiled = pacs.sample(model, tok, prompts[:1], 4, 12, 1.5, cache_tokens=80)
+    compiled = pacs.sample(model, tok, prompts[:1], 4, 12, 1.5, lv=lv)
     monkeypatch.setattr(pacs, "rollout_generation_config", config)
     torch.manual_seed(1)
     dynamic = pacs.sample(model, tok, prompts[:1], 4, 12, 1.5)
@@ -268,35 +268,33 @@ def test_gumbel_sampler_samples_what_transformers_samples(digit_model, monkeypat
     (the softmax of the logits over the temperature, cut by its top-p warper), no token outside the nucleus, the same
     tokens again for the same seed (a resumed run's), and greedy decoding (the held-out eval's) as it was."""
     from transformers import TopPLogitsWarper
-    model, tok = pacs.load_model(digit_model)
+    model, tok = plumbing.load_model(digit_model)
     with torch.no_grad():  # the tiny model's next token is near uniform: a peaked law, so that a wrong one is seen
         model.get_output_embeddings().weight.mul_(20)
-    prompt = pacs.build_prompt(tok, "12 + 3 =")
+    prompt = plumbing.build_prompt(tok, "12 + 3 =")
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         scores = model(input_ids=ids).logits[:, -1] / temperature  # (1, V)
     p = torch.softmax(TopPLogitsWarper(top_p)(ids, scores)[0].double(), -1)  # (V,): transformers' law
     greedy = pacs.sample(model, tok, [prompt, "1 + 6 ="], 1, 8, greedy=True)
-    monkeypatch.setitem(pacs.DECODE, "sampler", "gumbel")
+    gumbel = levers.Levers(sampler="gumbel")
     draws = []
     for _ in range(2):
         torch.manual_seed(1)
-        draws.append(pacs.sample(model, tok, [prompt], 4000, 1, temperature, top_p, batch_prompts=1))
+        draws.append(pacs.sample(model, tok, [prompt], 4000, 1, temperature, top_p, batch_prompts=1, lv=gumbel))
     first = draws[0]["response_ids"][:, 0]  # (4000,)
     assert (p[first] > 0).all() and (p > 0).sum() <= len(p) - 4 * (top_p < 1.0)  # the nucleus, a cut that bites
     assert chi_squared_pvalue(first, p) > 1e-3
     assert torch.equal(draws[0]["response_ids"], draws[1]["response_ids"])
-    again = pacs.sample(model, tok, [prompt, "1 + 6 ="], 1, 8, greedy=True)
+    again = pacs.sample(model, tok, [prompt, "1 + 6 ="], 1, 8, greedy=True, lv=gumbel)
     for key in greedy:
         assert torch.equal(greedy[key], again[key]), key
     config = pacs.rollout_generation_config(4, top_p=top_p)
     config.top_k = 5  # a warper that greedy decoding would drop: refused
     with pytest.raises(ValueError, match=r"temperature and top-p only.*top_k=5"):
-        pacs.gumbel_max_generation(config, {"input_ids": ids})
-    pacs.setup_model(pacs.parse_args(["--sampler", "gumbel", "--device", "cpu"]), digit_model, torch.device("cpu"))
-    assert pacs.DECODE["sampler"] == "gumbel"
-    pacs.setup_model(pacs.parse_args(["--device", "cpu"]), digit_model, torch.device("cpu"))
-    assert pacs.DECODE["sampler"] == "multinomial"
+        levers.gumbel_max_generation(config, {"input_ids": ids})
+    assert levers.on_device(pacs.parse_args(["--sampler", "gumbel"]), "cpu").sampler == "gumbel"
+    assert levers.on_device(pacs.parse_args([]), "cuda").sampler == "multinomial"
 
 
 # ---- --defer-stop-check -----------------------------------------------------------------------------------------
@@ -323,40 +321,35 @@ def test_deferred_stop_check_gives_the_tokens_of_the_check_each_step(digit_model
     from transformers.generation import utils as generation_utils
     check = generation_utils.DeferredStopCheck
     rule, finish = check.__dict__["is_supported"], check.finish
-    model, tok = pacs.load_model(digit_model)
-    prompts = [pacs.build_prompt(tok, "1 + 6 =")]
+    model, tok = plumbing.load_model(digit_model)
+    prompts = [plumbing.build_prompt(tok, "1 + 6 =")]
     torch.manual_seed(3)
-    plain = pacs.sample(model, tok, prompts, 2, 40, cache_tokens=cache_tokens)
+    plain = pacs.sample(model, tok, prompts, 2, 40, lv=levers.Levers(cache_tokens=cache_tokens))
     assert not plain["truncated"].any()  # every row stops before the limit: the deferred check runs a step too many
     undone = []
     monkeypatch.setattr(torch, "Event", HostEvent)
     monkeypatch.setattr(check, "finish", lambda self: undone.append(finish(self)) or undone[-1])
-    monkeypatch.setitem(pacs.DECODE, "defer_stop", True)
     torch.manual_seed(3)
-    deferred = pacs.sample(model, tok, prompts, 2, 40, cache_tokens=cache_tokens)
+    deferred = pacs.sample(model, tok, prompts, 2, 40, lv=levers.Levers(cache_tokens=cache_tokens, defer_stop=True))
     assert undone == [1]  # deferred, and the extra step undone
     for key in plain:
         assert torch.equal(plain[key], deferred[key]), key
     assert check.__dict__["is_supported"] is rule
     monkeypatch.setattr(model, "generate", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        pacs.generate_exactly(model, pacs.rollout_generation_config(4), input_ids=deferred["prompt_ids"])
+        pacs.generate_exactly(model, pacs.rollout_generation_config(4), levers.Levers(defer_stop=True),
+                              input_ids=deferred["prompt_ids"])
     assert check.__dict__["is_supported"] is rule
-    pacs.setup_model(pacs.parse_args(["--defer-stop-check", "--device", "cpu"]), digit_model, torch.device("cpu"))
-    assert pacs.DECODE["defer_stop"] is False  # the CPU: nothing to wait for
-    monkeypatch.setattr(pacs, "load_model", lambda *a: 1 / 0)  # past the point where the flag is read
-    monkeypatch.setattr(pacs, "set_cuda_kernels", lambda: None)
-    with pytest.raises(ZeroDivisionError):
-        pacs.setup_model(pacs.parse_args(["--defer-stop-check"]), digit_model, torch.device("cuda"))
-    assert pacs.DECODE["defer_stop"] is True
+    assert not levers.on_device(pacs.parse_args(["--defer-stop-check"]), "cpu").defer_stop  # nothing to wait for
+    assert levers.on_device(pacs.parse_args(["--defer-stop-check"]), "cuda").defer_stop
 
 
 def test_static_cache_length_is_one_shape_for_the_run():
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert pacs.cache_tokens(pacs.Config(max_prompt_tokens=512, max_new_tokens=1024), cuda) == 1536  # auto: on CUDA
-    assert pacs.cache_tokens(pacs.Config(), cpu) == 0  # auto: the dynamic cache on the CPU, as before
-    assert pacs.cache_tokens(pacs.Config(max_new_tokens=8, static_cache="on"), cpu) == 520
-    assert pacs.cache_tokens(pacs.Config(static_cache="off"), cuda) == 0
+    cache_tokens = lambda device_type, **k: levers.on_device(pacs.Config(**k), device_type).cache_tokens  # noqa: E731
+    assert cache_tokens("cuda", max_prompt_tokens=512, max_new_tokens=1024) == 1536  # auto: on CUDA
+    assert cache_tokens("cpu") == 0  # auto: the dynamic cache on the CPU, as before
+    assert cache_tokens("cpu", max_new_tokens=8, static_cache="on") == 520
+    assert cache_tokens("cuda", static_cache="off") == 0
     assert pacs.parse_args(["--static-cache"]).static_cache == "on"  # the flag alone, as before it had values
 
 
@@ -364,7 +357,7 @@ def test_static_cache_is_priced_by_the_plan():
     from transformers import Qwen2Config
     c = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)
-    plan = lambda device="cuda", **k: pacs.memory_plan(pacs.Config(**k), c, 100_000, device, 8, 4)  # noqa: E731
+    plan = lambda device="cuda", **k: plumbing.memory_plan(pacs.Config(**k), c, 100_000, device, 8, 4)  # noqa: E731
     extra = plan()["generate: static cache extras"]  # auto: on CUDA
     assert plan(static_cache="off")["generate: static cache extras"] == 0 and extra > 0
     assert plan()["peak: generate"] == plan(static_cache="off")["peak: generate"] + extra
@@ -386,14 +379,13 @@ def test_compiled_head_gives_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(di
     """--compile-head: the log-probs, entropy and gradient of the eager LM head and log-softmax (fp32, chunks of 4
     tokens: a short last chunk), and a run at --lr 0 under bf16 autocast keeps psi exactly 0: phase 3's no-grad
     graph and phase 4's grad graph of the compiled head agree bit for bit."""
-    monkeypatch.setitem(pacs.HEAD, "compiled", None)  # restored after the run below sets it
     roll, _ = digit_rollout
-    model, _ = pacs.load_model(digit_model)
+    model, _ = plumbing.load_model(digit_model)
     out = []
     for compiled in (None, torch.compile(pacs.token_logprobs)):
-        pacs.HEAD["compiled"] = compiled
         lp, ent = pacs.response_logprobs(model, roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"],
-                                         roll["response_mask"], 1.5, with_entropy=True, group_size=4, chunk=4)
+                                         roll["response_mask"], 1.5, with_entropy=True, group_size=4, chunk=4,
+                                         head=compiled)
         lp.sum().backward()
         out.append((lp.detach(), ent, [p.grad.clone() for p in model.parameters()]))
         model.zero_grad(set_to_none=True)
@@ -411,7 +403,7 @@ def test_compiled_head_gives_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(di
         rows = [json.loads(line) for line in f]
     assert any(r["mixed_groups"] > 0 for r in rows)  # a gradient was computed (and applied with lr 0)
     assert all(r["psi_mean"] == 0.0 and r["psi_std"] == 0.0 for r in rows)
-    assert pacs.HEAD["compiled"] is not None and graphs() > before  # it compiled
+    assert levers.compiled.cache_info().currsize and graphs() > before  # it compiled
 
 
 # ---- --compile-layers --------------------------------------------------------------------------------------------
@@ -439,18 +431,17 @@ def test_compiled_layers_give_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(d
     gives its log-probs bit for bit; a deep copy (pi_ref) calls its own layers; generate and the shared prompt's cached
     forwards stay eager. Runs at --lr 0 under bf16 autocast keep psi exactly 0 on full rows, and on the checkpointing
     route against a frozen pi_ref (--ref-reset-every 2) with the compiled head."""
-    monkeypatch.setitem(pacs.HEAD, "compiled", None)  # restored after the second run below sets it
     calls = counted_compile(monkeypatch)
     roll, _ = digit_rollout
     full = {"group_size": 4, "shared_prompt": False, "mask_right_padding": False}
     args = (roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"], roll["response_mask"], 1.5)
     out = {}
     for compiled, ckpt in ((False, False), (True, False), (True, True)):
-        model, tok = pacs.load_model(digit_model)
+        model, tok = plumbing.load_model(digit_model)
         if ckpt:
             model.activation_checkpointing_enable()
         if compiled:
-            pacs.compile_layers(model, torch.device("cpu"))
+            levers.compile_layers(model, torch.device("cpu"))
         model.train()  # phase 4
         lp, _ = pacs.response_logprobs(model, *args, **full)
         lp.sum().backward()
@@ -474,7 +465,7 @@ def test_compiled_layers_give_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(d
                for layer in ref.base_model.layers)
     with torch.no_grad():  # a KV cache: eager
         pacs.response_logprobs(model, *args, group_size=4)
-        pacs.sample(model, tok, [pacs.build_prompt(tok, "1 + 6 =")], group_size=2, max_new_tokens=3)
+        pacs.sample(model, tok, [plumbing.build_prompt(tok, "1 + 6 =")], group_size=2, max_new_tokens=3)
     assert calls == {"forward": 10}
     run = ["--model", digit_model, "--dataset", const7_file, "--group-size", "8", "--prompts-per-step", "8",
            "--num-mini-batches", "2", "--micro-batch-size", "16", "--steps", "2", "--lr", "0", "--autocast", "bf16",
@@ -496,16 +487,21 @@ def test_compile_layers_says_when_the_run_leaves_them_eager(tiny_model_dir, caps
     """The shared prompt's forwards run on its KV cache, where the layers stay eager: a run on that route says so."""
     for route, said in (([], True), (["--full-rows", "on"], False), (["--gradient-checkpointing"], False)):
         cfg = pacs.parse_args(["--model", tiny_model_dir, "--device", "cpu", "--compile-layers", *route])
-        model, *_ = pacs.setup_model(cfg, tiny_model_dir, torch.device("cpu"))
+        model, *_ = plumbing.setup_model(cfg, tiny_model_dir, torch.device("cpu"))
         assert model.base_model.compiled_layers
         assert ("--compile-layers acts on full rows' forwards" in capsys.readouterr().err) == said, route
 
 
-def test_compile_layers_needs_a_list_of_layers(tiny_model_dir):
-    model, _ = pacs.load_model(tiny_model_dir)
+def test_compile_layers_needs_a_list_of_layers(tiny_model_dir, monkeypatch, capsys):
+    """A plain ValueError from the lever, the run's one-line error from setup_model."""
+    model, _ = plumbing.load_model(tiny_model_dir)
     del model.base_model.layers
-    with pytest.raises(pacs.ConfigError, match="--compile-layers needs a decoder with a list of layers; Qwen2Model"):
-        pacs.compile_layers(model, torch.device("cpu"))
+    with pytest.raises(ValueError, match="--compile-layers needs a decoder with a list of layers; Qwen2Model"):
+        levers.compile_layers(model, torch.device("cpu"))
+    monkeypatch.setattr(plumbing, "load_model", lambda *a: (model, None))
+    with pytest.raises(plumbing.ConfigError, match="--compile-layers needs a decoder with a list of layers"):
+        plumbing.setup_model(pacs.parse_args(["--compile-layers", "--device", "cpu"]), tiny_model_dir,
+                             torch.device("cpu"))
 
 
 # ---- --verify-workers --------------------------------------------------------------------------------------------
@@ -518,13 +514,12 @@ def verify_cases(n):
 def test_verifier_workers_give_the_in_process_verdicts():
     responses, answers = verify_cases(160)
     serial = pacs.reward_fn(responses, answers)
-    try:
-        assert pacs.set_verify_workers(2) == 2 and pacs.VERIFIER["pool"] is not None
-        assert torch.equal(pacs.reward_fn(responses, answers), serial)
-        assert torch.equal(pacs.verify_beside(responses, answers)(), serial)  # from a thread that waits on them
-    finally:
-        pacs.stop_verify_workers()
-    assert pacs.VERIFIER["pool"] is None and pacs.set_verify_workers(1) == 1 and pacs.VERIFIER["pool"] is None
+    with levers.VerifierPool(2) as pool:
+        assert pool.workers == 2 and pool.takes(len(responses)) and not pool.takes(pool.min_answers - 1)
+        assert torch.equal(pacs.reward_fn(responses, answers, pool), serial)
+        verdicts = levers.verify_beside(pacs.reward_fn, responses, answers, pool)  # a thread that waits on them
+        assert torch.equal(verdicts(), serial)
+    assert pool.pool is None and levers.VerifierPool(1).pool is None
 
 
 def alive(pid):
@@ -544,21 +539,22 @@ def test_verifier_workers_leave_no_process_behind(tmp_path, ending):
     script.write_text(textwrap.dedent(f"""
         import json, os, signal, sys, threading
         sys.path.insert(0, {ROOT!r})
+        import levers
         import pacs
+        import plumbing
         # Python's own Ctrl-C handler, as in a terminal, also where this test runs in the background (a shell starts
         # a background job with SIGINT ignored, and the child would inherit that)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        pacs.set_verify_workers(2)
-        pool = pacs.VERIFIER["pool"]
-        pids = [p.pid for p in pool._pool]
+        pool = levers.VerifierPool(2)
+        pids = [p.pid for p in pool.pool._pool]
         with open(os.path.join({ROOT!r}, "tests", "verify_cases.jsonl")) as f:
             rows = [json.loads(line) for line in f][:200]
-        pacs.reward_fn([r["response"] for r in rows], [r["answer"] for r in rows])  # the workers are up
+        pacs.reward_fn([r["response"] for r in rows], [r["answer"] for r in rows], pool)  # the workers are up
         print(json.dumps(pids), flush=True)
         if {ending!r} == "ctrl-c":
             threading.Timer(0.2, lambda: os.killpg(os.getpgid(0), signal.SIGINT)).start()  # as a terminal does
             while True:
-                pacs.reward_fn([r["response"] for r in rows] * 4, [r["answer"] for r in rows] * 4)
+                pacs.reward_fn([r["response"] for r in rows] * 4, [r["answer"] for r in rows] * 4, pool)
     """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                           start_new_session=True)  # its own process group, which the SIGINT goes to
@@ -591,8 +587,8 @@ def test_verifier_processes_work_beside_phase_3_and_leave_the_step_unchanged(dig
         finally:
             phase_3.set()  # phase 3 has run
 
-    def reward_fn(texts, answers):  # mixed groups, from the texts alone
-        if pacs.VERIFIER["pool"] is not None:
+    def reward_fn(texts, answers, verifier=None):  # mixed groups, from the texts alone
+        if verifier is not None:
             waited.append(phase_3.wait(10))
             time.sleep(0.5)  # verdicts that come after phase 3: the step waits for them, in time_verify
         return torch.tensor([float(len(t) % 2) for t in texts])
@@ -600,14 +596,13 @@ def test_verifier_processes_work_beside_phase_3_and_leave_the_step_unchanged(dig
     monkeypatch.setattr(pacs, "reference_logprobs", reference_logprobs)
     monkeypatch.setattr(pacs, "reward_fn", reward_fn)
     runs = []
-    for pool in (None, "workers"):  # the verdicts come from reward_fn either way: a stand-in for the pool is enough
-        monkeypatch.setitem(pacs.VERIFIER, "pool", pool)
-        monkeypatch.setitem(pacs.VERIFIER, "min_answers", 1)
+    workers = types.SimpleNamespace(takes=lambda n: True)  # the verdicts come from reward_fn: a stand-in pool will do
+    for pool in (None, workers):
         phase_3.clear()
-        model, tok = pacs.load_model(digit_model)
+        model, tok = plumbing.load_model(digit_model)
         torch.manual_seed(0)
         optimizer = pacs.make_optimizer(cfg, model)
-        metrics, _ = pacs.train_step(cfg, model, tok, optimizer, problems, 0, torch.device("cpu"))
+        metrics, _ = pacs.train_step(cfg, model, tok, optimizer, problems, 0, torch.device("cpu"), verifier=pool)
         runs.append((metrics, [p.detach().clone() for p in model.parameters()]))
     assert waited == [True]  # the pool's verdicts waited for the end of phase 3, and got it
     (serial, weights), (beside, weights_beside) = runs
@@ -616,30 +611,27 @@ def test_verifier_processes_work_beside_phase_3_and_leave_the_step_unchanged(dig
         assert beside[key] == serial[key], key
     assert 0 < serial["reward"] < 1 and all(torch.equal(a, b) for a, b in zip(weights, weights_beside))
     phases = sum(beside[k] for k in ("time_generate", "time_verify", "time_old_logprobs", "time_update"))
-    assert abs(phases - beside["step_time"]) < 1e-3 and min(beside[k] for k in pacs.PHASES[:4]) >= 0
+    assert abs(phases - beside["step_time"]) < 1e-3 and min(beside[k] for k in plumbing.PHASES[:4]) >= 0
 
-    def broken(texts, answers):
+    def broken(texts, answers, verifier):
         raise RuntimeError("a verifier worker died")
 
-    monkeypatch.setattr(pacs, "reward_fn", broken)
-    verdicts = pacs.verify_beside(["1"], ["1"])  # returns at once; the error comes with the verdicts
+    verdicts = levers.verify_beside(broken, ["1"], ["1"], workers)  # returns at once; the error comes with them
     with pytest.raises(RuntimeError, match="a verifier worker died"):
         verdicts()
 
 
 def test_verify_workers_flag_is_checked():
-    with pytest.raises(pacs.ConfigError, match="--verify-workers must be >= -1"):
-        pacs.check_config(pacs.Config(verify_workers=-2))
+    with pytest.raises(plumbing.ConfigError, match="--verify-workers must be >= -1"):
+        plumbing.check_config(pacs.Config(verify_workers=-2))
 
 
 def test_verify_workers_default_is_a_core_each_with_cuda(monkeypatch):
     """-1, the default: a process a core with CUDA (the GPU check timed it faster), this process without."""
     assert pacs.Config().verify_workers == -1
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert pacs.verify_processes(pacs.Config()) == 0 and pacs.verify_processes(pacs.Config(device="cpu")) == 1
-    assert pacs.verify_processes(pacs.Config(verify_workers=3)) == 3
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert pacs.verify_processes(pacs.Config()) == 1 and pacs.verify_processes(pacs.Config(verify_workers=0)) == 0
+    workers = lambda device_type, **k: levers.on_device(pacs.Config(**k), device_type).verify_workers  # noqa: E731
+    assert workers("cuda") == 0 and workers("cpu") == 1
+    assert workers("cuda", verify_workers=3) == 3 and workers("cpu", verify_workers=0) == 0
 
 
 # ---- --pack-groups -----------------------------------------------------------------------------------------------
@@ -649,20 +641,21 @@ def test_pack_groups_lets_the_plan_put_several_groups_in_a_micro_batch(capsys):
                     num_attention_heads=4, num_key_value_heads=2)
     cfg = dict(prompts_per_step=16, group_size=4, num_mini_batches=2, max_prompt_tokens=32, max_new_tokens=32,
                memory_gib=8)
-    one, _ = pacs.plan_memory(pacs.Config(**cfg, pack_groups="off"), c, 100_000, "cuda")
-    packed, _ = pacs.plan_memory(pacs.Config(**cfg), c, 100_000, "cuda")  # auto: on with CUDA
+    one, _ = plumbing.plan_memory(pacs.Config(**cfg, pack_groups="off"), c, 100_000, "cuda")
+    packed, _ = plumbing.plan_memory(pacs.Config(**cfg), c, 100_000, "cuda")  # auto: on with CUDA
     assert one.micro_batch_size == 4 and packed.micro_batch_size == 32  # a whole mini-batch: 8 prompts x 4
-    peak = lambda rows: pacs.memory_plan(pacs.Config(**cfg), c, 100_000, "cuda", rows, 1)["peak: update"]
+    peak = lambda rows: plumbing.memory_plan(pacs.Config(**cfg), c, 100_000, "cuda", rows, 1)["peak: update"]
     budget = (peak(16) + peak(32)) / 2  # 16 rows fit, 32 do not
-    gib = (budget / 0.9 + pacs.CUDA_CONTEXT) / pacs.GiB
-    tight, _ = pacs.plan_memory(pacs.Config(**{**cfg, "memory_gib": gib}, pack_groups="on"), c, 100_000, "cuda")
+    gib = (budget / 0.9 + plumbing.CUDA_CONTEXT) / plumbing.GiB
+    tight, _ = plumbing.plan_memory(pacs.Config(**{**cfg, "memory_gib": gib}, pack_groups="on"), c, 100_000, "cuda")
     assert tight.micro_batch_size == 16  # as many groups as the budget fits
 
 
 # ---- --full-rows ------------------------------------------------------------------------------------------------
 def full_rows_roll(model, tok):
     """Two prompts of unequal length (the shorter one's group left-padded), G = 4, an early EOS in two rows."""
-    prompts = [pacs.build_prompt(tok, "What is 1 + 1?"), pacs.build_prompt(tok, "A longer one: what is 10 + 20 + 30?")]
+    prompts = [plumbing.build_prompt(tok, "What is 1 + 1?"),
+               plumbing.build_prompt(tok, "A longer one: what is 10 + 20 + 30?")]
     torch.manual_seed(0)
     roll = pacs.sample(model, tok, prompts, group_size=4, max_new_tokens=7)
     roll["response_mask"][1, 3:] = 0
@@ -675,7 +668,7 @@ def test_full_rows_give_the_shared_prompts_log_probs_and_gradient(tiny_model_dir
     """--full-rows runs each row whole with the padding after each response unmasked (no mask at all where no row
     is left-padded: one group alone after trimming): the same log-probs and gradient as the shared-prompt route, in
     fp32, for two groups (left padding) and for each group alone."""
-    model, tok = pacs.load_model(tiny_model_dir)
+    model, tok = plumbing.load_model(tiny_model_dir)
     roll = full_rows_roll(model, tok)
     assert (roll["prompt_mask"][rows] == 0).any() == (rows.start == 0)  # the first prompt is the shorter one
     mask = roll["response_mask"][rows].float()
@@ -694,7 +687,7 @@ def test_full_rows_give_the_shared_prompts_log_probs_and_gradient(tiny_model_dir
 def test_full_rows_drop_the_mask_only_where_no_row_is_left_padded(tiny_model_dir, monkeypatch):
     """The decoder gets no attention mask for one group alone (SDPA may take flash), and a mask with every response
     column 1 for two groups of unequal prompts."""
-    model, tok = pacs.load_model(tiny_model_dir)
+    model, tok = plumbing.load_model(tiny_model_dir)
     roll = full_rows_roll(model, tok)
     seen, forward = [], type(model.base_model).forward
 
@@ -717,11 +710,12 @@ def test_full_rows_are_priced_by_the_plan():
     c = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)
     cfg = dict(prompts_per_step=16, group_size=4, num_mini_batches=2, max_prompt_tokens=48, max_new_tokens=32)
-    shared, full = (pacs.memory_plan(pacs.Config(**cfg, full_rows=f), c, 100_000, "cuda", 8, 1) for f in ("off", "on"))
-    per_token = pacs._activation_bytes_per_token(c, 2)
+    shared, full = (plumbing.memory_plan(pacs.Config(**cfg, full_rows=f), c, 100_000, "cuda", 8, 1)
+                    for f in ("off", "on"))
+    per_token = plumbing.activation_bytes_per_token(c, 2)
     assert full["activations of a micro-batch"] == 8 * (48 + 32) * per_token
     assert full["KV cache of the shared prompt"] == 0 and shared["KV cache of the shared prompt"] > 0
-    assert full["attention masks (SDPA)"] == pacs._attention_mask_bytes(c, 2, 8, 80, 80)
+    assert full["attention masks (SDPA)"] == plumbing.attention_mask_bytes(c, 2, 8, 80, 80)
 
 
 @needs_qwen
@@ -729,21 +723,21 @@ def test_full_rows_auto_takes_full_rows_on_cuda_where_a_whole_group_fits_them():
     """--full-rows auto (the default): full rows on CUDA at the plan's micro-batch where they fit it, the shared
     prompt where only that fits (PPO on a 40 GB card) or below a group (a 24 GB card), never on the CPU; the route is
     kept with the sizes, and a checkpoint from before it resumes at the plan's."""
-    c = pacs.load_model_config(QWEN)
-    n = pacs.count_parameters(c)
+    c = plumbing.load_model_config(QWEN)
+    n = plumbing.count_parameters(c)
     chosen = {}
     for name, over in {"40": dict(memory_gib=39.5), "40 ppo": dict(memory_gib=39.5, algo="ppo"),
                        "24": dict(memory_gib=22.5), "cpu": dict(memory_gib=22.5)}.items():
-        sizes, _ = pacs.plan_memory(pacs.Config(**over), c, n, "cpu" if name == "cpu" else "cuda")
+        sizes, _ = plumbing.plan_memory(pacs.Config(**over), c, n, "cpu" if name == "cpu" else "cuda")
         chosen[name] = (sizes.micro_batch_size, sizes.full_rows)
     assert chosen == {"40": (8, True), "40 ppo": (8, False), "24": (2, False), "cpu": (2, False)}
     cfg = pacs.Config(memory_gib=39.5)
-    planned = pacs.Sizes(8, 128, True)
-    assert pacs.resumed_sizes(cfg, planned, {"sizes": {"micro_batch_size": 8, "gen_batch_prompts": 128},
+    planned = plumbing.Sizes(8, 128, True)
+    assert plumbing.resumed_sizes(cfg, planned, {"sizes": {"micro_batch_size": 8, "gen_batch_prompts": 128},
                                              "config": {"micro_batch_size": 0, "gen_batch_prompts": 0}}) == planned
     saved = {"sizes": {"micro_batch_size": 4, "gen_batch_prompts": 64, "full_rows": False},
              "config": {"micro_batch_size": 0, "gen_batch_prompts": 0, "full_rows": "auto"}}
-    assert pacs.resumed_sizes(cfg, planned, saved) == pacs.Sizes(4, 64, False)  # as the checkpoint left them
+    assert plumbing.resumed_sizes(cfg, planned, saved) == plumbing.Sizes(4, 64, False)  # as the checkpoint left them
 
 
 # ---- time outside the step ---------------------------------------------------------------------------------------
@@ -769,23 +763,23 @@ def test_eval_batch_size_comes_from_the_plan_on_cuda_and_stays_on_resume(monkeyp
     assert ev.planned_batch_size(args, torch.device("cuda"), 100, 256) == 256  # the first run's, on resume
     c = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                     num_attention_heads=14, num_key_value_heads=2)
-    monkeypatch.setattr(pacs, "load_model_config", lambda name: c)
-    monkeypatch.setattr(pacs, "count_parameters", lambda config: 494_032_768)
+    monkeypatch.setattr(plumbing, "load_model_config", lambda name: c)
+    monkeypatch.setattr(plumbing, "count_parameters", lambda config: 494_032_768)
     sizes = {}
     for gib, static in ((22.5, False), (80, False), (80, True)):
-        monkeypatch.setattr(pacs, "device_memory", lambda device_type, memory_gib=0.0: gib * pacs.GiB)
+        monkeypatch.setattr(plumbing, "device_memory", lambda device_type, memory_gib=0.0: gib * plumbing.GiB)
         args.static_cache = static  # eval.py's --static-cache, opt-in: its extras priced when on
         sizes[gib, static] = ev.planned_batch_size(args, torch.device("cuda"), 300, None)
         cfg = pacs.Config(group_size=1, max_prompt_tokens=300, max_new_tokens=512, rollout_dtype="bf16",
                           static_cache="on" if static else "off")
-        need = lambda rows: sum(v for k, v in pacs.memory_plan(cfg, c, 494_032_768, "cuda", 1, rows).items()
+        need = lambda rows: sum(v for k, v in plumbing.memory_plan(cfg, c, 494_032_768, "cuda", 1, rows).items()
                                 if k.startswith(("KV cache of one", "generate")))
-        budget = pacs.plan_budget("cuda", gib * pacs.GiB) - 2 * 494_032_768
+        budget = plumbing.plan_budget("cuda", gib * plumbing.GiB) - 2 * 494_032_768
         assert need(sizes[gib, static]) <= budget < need(2 * sizes[gib, static])  # the most that fit, powers of 2
     assert 64 < sizes[22.5, False] < sizes[80, False]
-    seen, plan = [], pacs.memory_plan
-    monkeypatch.setattr(pacs, "memory_plan", lambda cfg, *a, **k: seen.append(pacs.static_cache_on(cfg, "cuda"))
-                        or plan(cfg, *a, **k))
+    seen, plan = [], plumbing.memory_plan
+    monkeypatch.setattr(plumbing, "memory_plan", lambda cfg, *a, **k: seen.append(
+        levers.on_device(cfg, "cuda").cache_tokens > 0) or plan(cfg, *a, **k))
     for static in (False, True):
         args.static_cache = static
         ev.planned_batch_size(args, torch.device("cuda"), 300, None)
@@ -849,3 +843,33 @@ def test_the_checks_summary_reads_fail_for_a_missing_or_nonzero_psi_and_a_peak_o
     assert rows["README end to end: train"].startswith("FAIL")  # did not run
     write(tmp_path / "psi_levers.json", {"psi_std_max": 0.0})
     assert dict(gpu_check.summary_rows(str(tmp_path)))["psi_std at --lr 0, every lever on"].startswith("pass")
+
+
+# ---- auto: on with CUDA, off elsewhere ----------------------------------------------------------------------------
+def test_every_auto_flag_is_off_on_the_cpu_and_on_with_cuda():
+    """levers.on_device is the one place `auto` is read: each flag that takes `auto` (and --verify-workers' -1) is
+    off on the CPU and on with CUDA; typed `on`, it is on on the CPU too. The plan packs no groups on the CPU."""
+    import typing
+    auto = [f.name for f in dataclasses.fields(pacs.Config) if f.default == "auto"]
+    assert set(auto) == {"device", "rollout_dtype", "autocast", "pack_groups", "full_rows", "static_cache"}
+    off = {"rollout_dtype": ("rollout_dtype", torch.float32), "autocast": ("autocast", None),
+           "pack_groups": ("pack_groups", False), "full_rows": ("full_rows", False),
+           "static_cache": ("cache_tokens", 0)}
+    on = {"rollout_dtype": torch.bfloat16, "autocast": torch.bfloat16, "pack_groups": True, "full_rows": None,
+          "static_cache": 1536}  # full_rows None: with CUDA the plan chooses
+    cpu, cuda = levers.on_device(pacs.Config(), "cpu"), levers.on_device(pacs.Config(), "cuda")
+    for flag, (field, value) in off.items():
+        assert getattr(cpu, field) == value, flag
+        assert getattr(cuda, field) == on[flag], flag
+    assert cpu.verify_workers == 1 and cuda.verify_workers == 0  # -1: in-process on the CPU, a core each with CUDA
+    typed = levers.on_device(pacs.Config(pack_groups="on", full_rows="on", static_cache="on", autocast="bf16",
+                                         rollout_dtype="bf16"), "cpu")
+    assert typed.pack_groups and typed.full_rows and typed.cache_tokens and typed.autocast and \
+        typed.rollout_dtype == torch.bfloat16
+    assert "auto" in typing.get_args(typing.get_type_hints(pacs.Config)["pack_groups"])
+    from transformers import Qwen2Config
+    c = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+    sizes, _ = plumbing.plan_memory(pacs.Config(prompts_per_step=16, group_size=4, num_mini_batches=2,
+                                                max_prompt_tokens=32, max_new_tokens=32), c, 100_000, "cpu")
+    assert sizes.micro_batch_size == 4 and not sizes.full_rows  # one group, shared prompts: auto is off here

@@ -11,6 +11,8 @@ import torch
 
 import pacs
 
+import plumbing
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN = os.path.join(ROOT, "..", "shared", "models", "qwen2.5-0.5b-instruct")
 needs_qwen = pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN, "config.json")),
@@ -19,7 +21,7 @@ needs_qwen = pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN, "config.js
 
 def grads_of_one_mini_batch(model_dir, roll, rewards, algo, micro_batch_size, first):
     """(.grad of every parameter, loss, psi) after accumulate_mini_batch on the whole rollout (one mini-batch)."""
-    model, _ = pacs.load_model(model_dir)
+    model, _ = plumbing.load_model(model_dir)
     model.train()
     cfg = pacs.Config(group_size=4, prompts_per_step=2, num_mini_batches=1, micro_batch_size=micro_batch_size,
                       algo=algo, temperature=0.9)
@@ -65,7 +67,7 @@ def test_token_mean_baselines_do_not_depend_on_the_micro_batch_size(digit_model,
 
 def test_the_lm_head_never_sees_more_than_a_chunk_of_tokens(digit_model, digit_rollout):
     roll, _ = digit_rollout
-    model, _ = pacs.load_model(digit_model)
+    model, _ = plumbing.load_model(digit_model)
     seen = []
     model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
     lp, _ = pacs.response_logprobs(model, roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"],
@@ -122,9 +124,9 @@ def generate_fitting(monkeypatch, most):
 
 
 def test_out_of_memory_in_generate_halves_the_batch_and_keeps_every_prompt(digit_model, monkeypatch, capsys):
-    model, tok = pacs.load_model(digit_model)
+    model, tok = plumbing.load_model(digit_model)
     calls = generate_fitting(monkeypatch, 1)
-    prompts = [pacs.build_prompt(tok, f"{i} + 1 =") for i in range(5)]
+    prompts = [plumbing.build_prompt(tok, f"{i} + 1 =") for i in range(5)]
     roll = pacs.sample(model, tok, prompts, group_size=2, max_new_tokens=3, batch_prompts=4)
     assert roll["response_ids"].shape[0] == 10 and calls == [4, 2, 1, 1, 1, 1, 1]
     assert "out of memory in generate" in capsys.readouterr().out
@@ -148,8 +150,8 @@ def test_bf16_rollout_copy_follows_the_trained_weights(digit_model, tmp_path, mo
     real = pacs.sample
     monkeypatch.setattr(pacs, "sample", lambda model, *a, **k: used.append(model.dtype) or real(model, *a, **k))
     captured = {}
-    real_copy = pacs.copy_weights
-    monkeypatch.setattr(pacs, "copy_weights",
+    real_copy = plumbing.copy_weights
+    monkeypatch.setattr(plumbing, "copy_weights",
                         lambda dst, src: (real_copy(dst, src), captured.update(dst=dst, src=src)))
     run(digit_model, tmp_path, "--steps", "2", "--rollout-dtype", "bf16")
     assert used == [torch.bfloat16, torch.bfloat16]  # rollouts come from the bf16 copy
@@ -160,8 +162,8 @@ def test_bf16_rollout_copy_follows_the_trained_weights(digit_model, tmp_path, mo
 
 def test_checkpoints_are_also_written_by_the_clock(digit_model, tmp_path, monkeypatch):
     saved = []
-    real = pacs.save_checkpoint
-    monkeypatch.setattr(pacs, "save_checkpoint",
+    real = plumbing.save_checkpoint
+    monkeypatch.setattr(plumbing, "save_checkpoint",
                         lambda cfg, m, t, o, step, *a: saved.append(step) or real(cfg, m, t, o, step, *a))
     run(digit_model, tmp_path / "clock", "--steps", "3", "--save-every", "0", "--save-minutes", "1e-9")
     assert saved == [0, 1, 2]
@@ -172,22 +174,23 @@ def test_checkpoints_are_also_written_by_the_clock(digit_model, tmp_path, monkey
 
 def test_micro_batch_sizes_the_schedule_allows():
     cfg = pacs.Config(group_size=8, prompts_per_step=8, num_mini_batches=2)  # mini-batch: 4 groups, 32 rows
-    assert pacs.valid_micro_batch_sizes(cfg) == [1, 2, 4, 8, 16, 32]
+    assert plumbing.valid_micro_batch_sizes(cfg) == [1, 2, 4, 8, 16, 32]
     for bad in (3, 24, 64):
-        with pytest.raises(pacs.ConfigError, match=f"--micro-batch-size {bad} must divide"):
-            pacs.check_config(pacs.Config(group_size=8, prompts_per_step=8, num_mini_batches=2, micro_batch_size=bad))
+        with pytest.raises(plumbing.ConfigError, match=f"--micro-batch-size {bad} must divide"):
+            plumbing.check_config(pacs.Config(group_size=8, prompts_per_step=8, num_mini_batches=2,
+                                              micro_batch_size=bad))
 
 
 @needs_qwen
 def test_the_plan_fits_the_default_run_on_a_24_gb_card_and_picks_more_on_bigger_ones():
-    config = pacs.load_model_config(QWEN)
-    n = pacs.count_parameters(config)
+    config = plumbing.load_model_config(QWEN)
+    n = plumbing.count_parameters(config)
     assert 490e6 < n < 500e6  # Qwen2.5-0.5B: ~494M parameters with tied embeddings
     chosen = {}
     for gib in (22.5, 80):  # what a "24 GB" card (A10G, L4) reports, and an 80 GB one
         cfg = pacs.Config(memory_gib=gib)  # the defaults: 128 x 8, M=4, 512 + 1024 tokens
-        sizes, parts = pacs.plan_memory(cfg, config, n, "cuda")
-        assert parts["peak"] <= 0.9 * (gib - 0.5) * pacs.GiB  # 0.5 GiB of CUDA context, then 10% headroom
+        sizes, parts = plumbing.plan_memory(cfg, config, n, "cuda")
+        assert parts["peak"] <= 0.9 * (gib - 0.5) * plumbing.GiB  # 0.5 GiB of CUDA context, then 10% headroom
         chosen[gib] = (sizes.micro_batch_size, sizes.gen_batch_prompts)
         assert (cfg.micro_batch_size, cfg.gen_batch_prompts) == (0, 0)  # cfg stays what was typed
     # an 80 GB card packs 2 groups of full rows a micro-batch (--pack-groups, --full-rows: auto, on with CUDA)
@@ -197,8 +200,8 @@ def test_the_plan_fits_the_default_run_on_a_24_gb_card_and_picks_more_on_bigger_
 
 
 def test_the_budget_leaves_the_cuda_context_out():
-    assert pacs.plan_budget("cuda", 22.5 * pacs.GiB) == pytest.approx(0.9 * 22 * pacs.GiB)
-    assert pacs.plan_budget("cpu", 22.5 * pacs.GiB) == pytest.approx(0.9 * 22.5 * pacs.GiB)
+    assert plumbing.plan_budget("cuda", 22.5 * plumbing.GiB) == pytest.approx(0.9 * 22 * plumbing.GiB)
+    assert plumbing.plan_budget("cpu", 22.5 * plumbing.GiB) == pytest.approx(0.9 * 22.5 * plumbing.GiB)
 
 
 def test_the_plan_counts_the_attention_masks_sdpa_saves(digit_model, digit_rollout):
@@ -208,16 +211,16 @@ def test_the_plan_counts_the_attention_masks_sdpa_saves(digit_model, digit_rollo
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import plan_terms  # the benchmark's count of saved tensors, at the tiny model's size
     roll, _ = digit_rollout
-    model, _ = pacs.load_model(digit_model)
+    model, _ = plumbing.load_model(digit_model)
     model.train()
     hooks, saved = plan_terms.saved_tensors(model)
     b, T = roll["response_ids"].shape
     with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
-        pacs.response_logprobs(model, *pacs.rollout_rows(roll, slice(0, b)), 0.9, group_size=4)
+        pacs.response_logprobs(model, *plumbing.rollout_rows(roll, slice(0, b)), 0.9, group_size=4)
     _, masks, _ = plan_terms.split(saved, model)  # bf16 (rows, 1, q, kv) tensors; RoPE's cos/sin are fp32
     cfg = pacs.Config(autocast="bf16", group_size=4, max_prompt_tokens=roll["prompt_ids"].shape[1],
                       max_new_tokens=T)
-    planned = pacs.memory_plan(cfg, model.config, 1, "cpu", b, 1)["attention masks (SDPA)"]
+    planned = plumbing.memory_plan(cfg, model.config, 1, "cpu", b, 1)["attention masks (SDPA)"]
     assert 0 < masks <= planned <= 1.5 * masks, (masks, planned)
 
 
@@ -228,7 +231,7 @@ def test_the_plan_counts_the_trainers_kv_cache_as_the_installed_release_allocate
     # cos/sin make the keys fp32, and releases differ on the values (5.24 keeps them bf16, earlier ones fp32), so
     # the plan measures the dtypes (kv_cache_itemsizes) and is checked here against what this release allocates
     roll, _ = digit_rollout
-    model, _ = pacs.load_model(digit_model)
+    model, _ = plumbing.load_model(digit_model)
     decoder, G = model.get_decoder(), 4
     b, T = roll["response_ids"].shape
     Lp = roll["prompt_ids"].shape[1]
@@ -238,10 +241,11 @@ def test_the_plan_counts_the_trainers_kv_cache_as_the_installed_release_allocate
         decoder(input_ids=roll["response_ids"][:, :T - 1], cache=cache, use_cache=True)
     held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
     assert cache.layers[0].keys.dtype == torch.float32  # fp32 keys in both modes
-    assert pacs.kv_cache_itemsizes(type(model.config), pacs.autocast_dtype(pacs.Config(autocast=autocast), "cpu")) == (
+    dtype = plumbing.autocast_dtype(pacs.Config(autocast=autocast), "cpu")
+    assert plumbing.kv_cache_itemsizes(type(model.config), dtype) == (
         cache.layers[0].keys.element_size(), cache.layers[0].values.element_size())
     cfg = pacs.Config(autocast=autocast, group_size=G, max_prompt_tokens=Lp, max_new_tokens=T)
-    planned = pacs.memory_plan(cfg, model.config, 1, "cpu", b, 1)["KV cache of the shared prompt"]
+    planned = plumbing.memory_plan(cfg, model.config, 1, "cpu", b, 1)["KV cache of the shared prompt"]
     assert held <= planned <= held * (Lp + T) / (Lp + T - 1), (held, planned)  # the last token is never cached
 
 
@@ -249,21 +253,22 @@ def test_the_plan_counts_the_trainers_kv_cache_as_the_installed_release_allocate
 @pytest.mark.parametrize("flag, value, needle", [("micro_batch_size", 8, "--micro-batch-size"),
                                                   ("gen_batch_prompts", 128, "--gen-batch-prompts")])
 def test_settings_that_do_not_fit_are_refused_naming_the_flag(flag, value, needle):
-    config = pacs.load_model_config(QWEN)
+    config = plumbing.load_model_config(QWEN)
     cfg = pacs.Config(memory_gib=24, **{flag: value})
-    with pytest.raises(pacs.ConfigError, match=needle):
-        pacs.plan_memory(cfg, config, pacs.count_parameters(config), "cuda")
+    with pytest.raises(plumbing.ConfigError, match=needle):
+        plumbing.plan_memory(cfg, config, plumbing.count_parameters(config), "cuda")
 
 
 @needs_qwen
 def test_a_card_too_small_for_the_weights_alone_is_refused_naming_what_helps():
-    config = pacs.load_model_config(QWEN)
-    n = pacs.count_parameters(config)
-    with pytest.raises(pacs.ConfigError, match=r"weights and AdamW states alone need 12\.0 GiB.*: use --rollout-dtype "
-                                               r"fp32 .*, an --algo without a value model .*, or a larger card"):
-        pacs.plan_memory(pacs.Config(memory_gib=12, algo="ppo"), config, n, "cuda")
-    with pytest.raises(pacs.ConfigError, match="the update needs"):  # without the critic the state fits
-        pacs.plan_memory(pacs.Config(memory_gib=12), config, n, "cuda")
+    config = plumbing.load_model_config(QWEN)
+    n = plumbing.count_parameters(config)
+    with pytest.raises(plumbing.ConfigError, match=r"weights and AdamW states alone need 12\.0 GiB.*: use "
+                                                   r"--rollout-dtype fp32 .*, an --algo without a value model .*, "
+                                                   r"or a larger card"):
+        plumbing.plan_memory(pacs.Config(memory_gib=12, algo="ppo"), config, n, "cuda")
+    with pytest.raises(plumbing.ConfigError, match="the update needs"):  # without the critic the state fits
+        plumbing.plan_memory(pacs.Config(memory_gib=12), config, n, "cuda")
 
 
 @needs_qwen
@@ -278,17 +283,18 @@ def test_plan_only_prints_the_plan_without_weights(capsys):
 @needs_qwen
 def test_ppo_counts_the_value_model_and_names_the_flag_that_makes_it_fit(capsys):
     from transformers import AutoModelForTokenClassification
-    config = pacs.load_model_config(QWEN)
-    n = pacs.count_parameters(config)
+    config = plumbing.load_model_config(QWEN)
+    n = plumbing.count_parameters(config)
     critic_config = copy.deepcopy(config)
     critic_config.num_labels = 1  # from_pretrained(path, num_labels=1), as PPO loads its value model
     with torch.device("meta"):  # the decoder and a score Linear(H, 1), no LM head
         critic = AutoModelForTokenClassification.from_config(critic_config)
-    assert pacs.critic_parameters(config, n) == sum(p.numel() for p in critic.parameters())
-    nc = pacs.critic_parameters(config, n)
+    assert plumbing.critic_parameters(config, n) == sum(p.numel() for p in critic.parameters())
+    nc = plumbing.critic_parameters(config, n)
     for mb, ckpt in ((1, False), (8, False), (8, True)):  # the critic runs the actor's route without its LM head
-        pacs_plan = pacs.memory_plan(pacs.Config(gradient_checkpointing=ckpt), config, n, "cuda", mb, 32)
-        ppo_plan = pacs.memory_plan(pacs.Config(algo="ppo", gradient_checkpointing=ckpt), config, n, "cuda", mb, 32)
+        pacs_plan = plumbing.memory_plan(pacs.Config(gradient_checkpointing=ckpt), config, n, "cuda", mb, 32)
+        ppo_cfg = pacs.Config(algo="ppo", gradient_checkpointing=ckpt)
+        ppo_plan = plumbing.memory_plan(ppo_cfg, config, n, "cuda", mb, 32)
         assert ppo_plan["peak: generate"] == pacs_plan["peak: generate"] + 12 * nc  # weights, AdamW: held throughout
         held = ppo_plan["weights (fp32)"] + ppo_plan["AdamW moments (fp32)"] + ppo_plan["rollout copy"] + 12 * nc
         actor = pacs_plan["peak: update"] - held + 12 * nc
@@ -304,7 +310,7 @@ def test_ppo_counts_the_value_model_and_names_the_flag_that_makes_it_fit(capsys)
         pacs.main(argv)
     assert "critic    weights 1.84 | AdamW 3.68 held" in capsys.readouterr().err
     cfg = pacs.parse_args(argv + ["--gradient-checkpointing"])
-    sizes, _ = pacs.plan_memory(cfg, config, n, "cuda")  # fits, at the size the refusal named
+    sizes, _ = plumbing.plan_memory(cfg, config, n, "cuda")  # fits, at the size the refusal named
     assert sizes.micro_batch_size == 4
 
 
@@ -329,11 +335,11 @@ def test_gpu_benchmark_reports_reserved_memory_and_the_devices_count(monkeypatch
     # fragmentation shows in the allocator's reserved peak and the device's own count, not in the allocated peak
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import gpu_step
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2 * pacs.GiB, 22.5 * pacs.GiB))
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 19.25 * pacs.GiB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2 * plumbing.GiB, 22.5 * plumbing.GiB))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 19.25 * plumbing.GiB)
     m = gpu_step.cuda_memory()
-    assert m == {"reserved_peak_bytes": 19.25 * pacs.GiB, "device_used_bytes": 20.5 * pacs.GiB,
-                 "device_total_bytes": 22.5 * pacs.GiB}
+    assert m == {"reserved_peak_bytes": 19.25 * plumbing.GiB, "device_used_bytes": 20.5 * plumbing.GiB,
+                 "device_total_bytes": 22.5 * plumbing.GiB}
     assert gpu_step.cuda_memory_text(m) == ("reserved 19.25 GiB (max_memory_reserved) | device in use 20.50 of "
                                             "22.50 GiB (mem_get_info)")
 
@@ -361,21 +367,21 @@ def test_a_mini_batch_holds_no_gradient_of_the_one_before(digit_model, tmp_path,
 @pytest.mark.parametrize("device_type, rollout_dtype, copy", [("cuda", "auto", True), ("cpu", "auto", False),
                                                                ("cpu", "bf16", True), ("cuda", "fp32", False)])
 def test_the_plan_counts_a_rollout_copy_exactly_when_setup_model_makes_one(device_type, rollout_dtype, copy):
-    config = pacs.load_model_config(QWEN)
-    n = pacs.count_parameters(config)
+    config = plumbing.load_model_config(QWEN)
+    n = plumbing.count_parameters(config)
     cfg = pacs.Config(rollout_dtype=rollout_dtype)
-    parts = pacs.memory_plan(cfg, config, n, device_type, 8, 1)
+    parts = plumbing.memory_plan(cfg, config, n, device_type, 8, 1)
     assert parts["rollout copy"] == (2 * n if copy else 0)
     # setup_model copies exactly when the rollout dtype is not fp32
-    assert (pacs.rollout_torch_dtype(cfg, device_type) != torch.float32) == copy
+    assert (plumbing.rollout_torch_dtype(cfg, device_type) != torch.float32) == copy
 
 
 def test_the_rollout_copy_is_what_from_pretrained_in_bf16_loads(digit_model):
     # casting parameters only: the RoPE frequencies (inv_freq) stay fp32, as in eval.py's bf16 model, instead of
     # being rounded to bf16 by model.to(bf16)
     from transformers import AutoModelForCausalLM
-    model, _ = pacs.load_model(digit_model)
-    copy = pacs.rollout_copy(model, torch.bfloat16)
+    model, _ = plumbing.load_model(digit_model)
+    copy = plumbing.rollout_copy(model, torch.bfloat16)
     loaded = AutoModelForCausalLM.from_pretrained(digit_model, dtype=torch.bfloat16)
     buffers = dict(loaded.named_buffers())
     assert any(name.endswith("inv_freq") for name in buffers)

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import pacs
+
+import plumbing
 from conftest import make_tiny_model_dir
 
 G, P, M = 4, 4, 2  # 16 rows, mini-batches of 8 rows (two groups)
@@ -105,11 +107,11 @@ def test_the_routes_do_round_differently_in_bf16(wide_model):
     Its scalar kernels (ATEN_CPU_CAPABILITY=default) round both routes alike here: nothing to show there."""
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         pytest.skip("ATEN_CPU_CAPABILITY=default: the scalar kernels round both routes alike at this width")
-    model, tok = pacs.load_model(wide_model)
+    model, tok = plumbing.load_model(wide_model)
     torch.manual_seed(0)
-    prompts = [pacs.build_prompt(tok, "12 + 7 ="), pacs.build_prompt(tok, "3 + 4 =")]
+    prompts = [plumbing.build_prompt(tok, "12 + 7 ="), plumbing.build_prompt(tok, "3 + 4 =")]
     roll = pacs.sample(model, tok, prompts, group_size=G, max_new_tokens=12, temperature=1.5)
-    rows = pacs.rollout_rows(roll, slice(0, 2 * G))
+    rows = plumbing.rollout_rows(roll, slice(0, 2 * G))
     for dtype, equal in ((torch.bfloat16, False), (None, True)):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
             shared, _ = pacs.response_logprobs(model, *rows, group_size=G, shared_prompt=True)

@@ -1,6 +1,7 @@
 """End-to-end tests of pacs.py on a tiny random model (CPU, no network): training steps, checkpoints,
 resume, determinism, learning, data loading and the one-line errors."""
 import ast
+import glob
 import importlib.util
 import json
 import math
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 import pacs
+
+import plumbing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
@@ -39,12 +42,12 @@ def test_two_steps_change_every_parameter_and_write_metrics_and_checkpoint(digit
                 "sigma_psi", "grad_norm", "skipped", "step_time", "samples_per_s"):
         assert key in rows[0] and rows[0][key] is not None, key
     assert rows[0]["mixed_groups"] > 0  # otherwise the test would not exercise a gradient
-    ckpt = pacs.latest_checkpoint(str(tmp_path))
+    ckpt = plumbing.latest_checkpoint(str(tmp_path))
     assert ckpt and ckpt.endswith("checkpoint-000001")
     for name in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"):
         assert os.path.isfile(os.path.join(ckpt, name)), name
-    before, _ = pacs.load_model(digit_model)
-    after, _ = pacs.load_model(ckpt)  # the HF-format checkpoint loads like any model
+    before, _ = plumbing.load_model(digit_model)
+    after, _ = plumbing.load_model(ckpt)  # the HF-format checkpoint loads like any model
     after_params = dict(after.named_parameters())
     unchanged = [n for n, p in before.named_parameters() if torch.equal(p, after_params[n])]
     assert not unchanged, f"parameters not updated (weight decay is off, so only gradients move them): {unchanged}"
@@ -140,8 +143,9 @@ def test_response_mask_keeps_the_first_eos_and_drops_the_rest():
 
 
 def test_sample_groups_rows_by_prompt_and_masks_after_eos(tiny_model_dir):
-    model, tok = pacs.load_model(tiny_model_dir)
-    prompts = [pacs.build_prompt(tok, "What is 1 + 1?"), pacs.build_prompt(tok, "A longer problem: what is 10 + 20?")]
+    model, tok = plumbing.load_model(tiny_model_dir)
+    prompts = [plumbing.build_prompt(tok, "What is 1 + 1?"),
+               plumbing.build_prompt(tok, "A longer problem: what is 10 + 20?")]
     torch.manual_seed(0)
     roll = pacs.sample(model, tok, prompts, group_size=3, max_new_tokens=6, batch_prompts=1)
     assert roll["prompt_ids"].shape[0] == roll["response_ids"].shape[0] == 6
@@ -152,9 +156,9 @@ def test_sample_groups_rows_by_prompt_and_masks_after_eos(tiny_model_dir):
 
 
 def test_response_logprobs_match_a_plain_forward(tiny_model_dir):
-    model, tok = pacs.load_model(tiny_model_dir)
+    model, tok = plumbing.load_model(tiny_model_dir)
     torch.manual_seed(0)
-    roll = pacs.sample(model, tok, [pacs.build_prompt(tok, "What is 2 + 2?")], 2, max_new_tokens=5)
+    roll = pacs.sample(model, tok, [plumbing.build_prompt(tok, "What is 2 + 2?")], 2, max_new_tokens=5)
     with torch.no_grad():
         lp, ent = pacs.response_logprobs(model, roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"],
                                          roll["response_mask"], temperature=0.7, with_entropy=True, chunk=2)
@@ -171,7 +175,7 @@ def test_response_logprobs_match_a_plain_forward(tiny_model_dir):
 def test_local_jsonl_and_column_overrides(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"q": "1+1?", "a": 2}) + "\n" + json.dumps({"q": "no answer", "a": ""}) + "\n")
-    rows = pacs.load_problems(str(path), problem_key="q", answer_key="a")
+    rows = plumbing.load_problems(str(path), problem_key="q", answer_key="a")
     assert rows == [{"id": "0", "problem": "1+1?", "answer": "2"}]  # the empty-answer row is skipped
 
 
@@ -179,22 +183,22 @@ def test_hub_gsm8k_answer_is_the_number_after_hashes(monkeypatch):
     import datasets
     fake = [{"question": "How many?", "answer": "3 + 4 = <<3+4=7>>7 apples... #### 1,234"}]
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: fake)
-    assert pacs.load_problems("gsm8k")[0]["answer"] == "1234"
+    assert plumbing.load_problems("gsm8k")[0]["answer"] == "1234"
 
 
 @pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="offline data copies not present")
 def test_presets_read_offline_copies():
-    assert len(pacs.load_problems("gsm8k", "test", data_dir=SHARED_DATA)) == 1319
-    assert len(pacs.load_problems("math500", "test", data_dir=SHARED_DATA)) == 500
-    assert pacs.load_problems("aime24", "test", data_dir=SHARED_DATA)[0]["answer"]
+    assert len(plumbing.load_problems("gsm8k", "test", data_dir=SHARED_DATA)) == 1319
+    assert len(plumbing.load_problems("math500", "test", data_dir=SHARED_DATA)) == 500
+    assert plumbing.load_problems("aime24", "test", data_dir=SHARED_DATA)[0]["answer"]
 
 
 def test_synthetic_task_is_deterministic_and_correct():
-    rows = pacs.load_problems("synthetic")
-    assert rows == pacs.load_problems("synthetic") and len(rows) == 2000
+    rows = plumbing.load_problems("synthetic")
+    assert rows == plumbing.load_problems("synthetic") and len(rows) == 2000
     a, b = rows[0]["problem"][len("What is "):-1].split(" + ")
     assert int(a) + int(b) == int(rows[0]["answer"])
-    held_out = {r["problem"] for r in pacs.load_problems("synthetic", "test")}
+    held_out = {r["problem"] for r in plumbing.load_problems("synthetic", "test")}
     assert held_out and len(held_out) < 200 + 1
 
 
@@ -260,48 +264,99 @@ def test_import_has_no_side_effects():
     assert out.stdout.split() == ["False", "False"], out.stderr  # heavy imports happen only when used
 
 
-def test_pacs_py_reads_in_order_with_the_plumbing_last():
-    """A first read goes config -> loss -> baselines -> one training step (its phase 3, its accumulation, the reset
-    of pi_ref) -> the loop; the step's plumbing, PPO's value model, data, models, sampling, log-probs, memory plan,
-    checkpoints and flags sit below the PLUMBING banner. Python resolves names at call time, so nothing but this
-    test keeps that order."""
-    import ast
-    with open(os.path.join(ROOT, "pacs.py"), encoding="utf-8") as f:
-        src = f.read()
-    line = {n.name: n.lineno for n in ast.parse(src).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    plumbing = [i for i, text in enumerate(src.splitlines(), 1) if text.startswith("# PLUMBING: skip on a first read")]
+def top_level_lines(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return {n.name: n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}, tree
+
+
+def test_pacs_py_reads_in_order_and_keeps_the_plumbing_and_levers_beside_it():
+    """A first read of pacs.py goes config -> loss -> baselines -> critics -> sampling -> the reward -> log-probs ->
+    one training step -> PPO's value model -> the loop, in at most 1,000 lines (Python resolves names at call time,
+    so nothing but this test keeps that order). The run's plumbing and the GPU levers sit in modules of their own."""
+    line, _ = top_level_lines("pacs.py")
     reading = ["Config", "pacs_score", "class_balance_weights", "pacs_loss", "agg_loss", "ppo_loss", "grpo_loss",
                "gae", "value_loss", "reinforce_loss", "algo_loss", "group_auc", "critic_change", "pacs_advantage",
-               "implicit_critic_metrics", "train_step", "reference_logprobs", "accumulate_mini_batch", "loss_share",
-               "optimizer_update", "reset_reference", "train", "main"]
+               "implicit_critic_metrics", "sample", "reward_fn", "response_logprobs", "train_step",
+               "reference_logprobs", "accumulate_mini_batch", "loss_share", "optimizer_update", "reset_reference",
+               "value_model_targets", "train", "main"]
     assert [line[n] for n in reading] == sorted(line[n] for n in reading)
-    assert len(plumbing) == 1 and line["main"] < plumbing[0] <= 651  # at most 650 lines above the banner
-    for name in ("batch_indices", "step_metrics", "retry_smaller", "value_model_targets", "rollout_values",
-                 "value_model_step", "accumulate_critic", "value_model_metrics", "step_line", "log_step",
-                 "load_problems", "training_problems", "restore_trainer", "load_model", "load_value_model", "sample",
-                 "response_hidden", "response_logprobs", "response_values", "memory_plan", "save_checkpoint",
-                 "parse_args"):
-        assert line[name] > plumbing[0], name
+    with open(os.path.join(ROOT, "pacs.py"), encoding="utf-8") as f:
+        assert len(f.read().splitlines()) <= 1000
+    plumbing_line, _ = top_level_lines("plumbing.py")
+    levers_line, _ = top_level_lines("levers.py")
+    for name in ("load_problems", "load_model", "plan_memory", "save_checkpoint", "Trackers", "parse_flags",
+                 "retry_smaller"):
+        assert name in plumbing_line and name not in line, name
+    for name in ("decoding", "static_cache", "folded_gqa_attention", "GumbelNoise", "compile_layers",
+                 "VerifierPool", "on_device"):
+        assert name in levers_line and name not in line, name
+
+
+PROJECT_MODULES = {"pacs", "plumbing", "levers", "verify", "eval"}
+
+
+def imported(tree):
+    """(module, names) of each import statement of a module's source, at any depth."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((alias.name.split(".")[0], []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module.split(".")[0], [alias.name for alias in node.names]
+
+
+def test_imports_run_one_way():
+    """pacs.py -> plumbing.py -> levers.py, never back up (python pacs.py loads its file once); levers.py is a leaf of
+    torch and transformers; no _private name is imported across files; pacs.py calls the other two by their
+    module's name, so that one patch of plumbing.load_model reaches every caller."""
+    allowed = {"pacs.py": {"plumbing", "levers", "verify"}, "plumbing.py": {"levers"}, "levers.py": set()}
+    for path, may in allowed.items():
+        _, tree = top_level_lines(path)
+        project = {module for module, _ in imported(tree) if module in PROJECT_MODULES}
+        assert project <= may, (path, project - may)
+        if path == "levers.py":
+            outside = {module for module, _ in imported(tree)} - set(sys.stdlib_module_names)
+            assert outside == {"torch", "transformers"}, outside
+    for path in glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for module, names in imported(tree):
+            assert not (module in PROJECT_MODULES and any(n.startswith("_") for n in names)), (path, module, names)
+    _, tree = top_level_lines("pacs.py")
+    from_imports = [names for module, names in imported(tree) if module in {"plumbing", "levers"} and names]
+    assert from_imports == [["flag"]]  # the field helper Config's lines use, nothing a test would patch
+
+
+def test_a_patch_of_a_name_the_module_does_not_define_fails():
+    """conftest's guard: pacs.py imports flag from plumbing.py, so a patch of plumbing.flag would miss plumbing's
+    callers; it fails, naming the module to patch. A patch where the name is defined passes the guard."""
+    from conftest import check_patched_name
+    with pytest.raises(pytest.fail.Exception, match=r"pacs does not define flag; patch plumbing.flag"):
+        check_patched_name(pacs, "flag")
+    check_patched_name(plumbing, "flag")
+    check_patched_name(pacs, "train_step")
 
 
 def test_one_step_reads_without_a_closure_and_fills_no_buffer_in_place():
     """train_step's retries wrap from below (retry_smaller takes the function and its arguments): no lambda in the
-    reader's path; and pi_old's log-probs of mini-batch 0 flow as a value inside accumulate_mini_batch, never
-    written into the reference tensor."""
+    reader's path; and pi_old's log-probs flow as values, in reference_logprobs and inside accumulate_mini_batch,
+    never written into a tensor in place."""
     with open(os.path.join(ROOT, "pacs.py"), encoding="utf-8") as f:
         tree = ast.parse(f.read())
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     for name in ("train_step", "accumulate_mini_batch", "reference_logprobs", "optimizer_update"):
         assert not any(isinstance(n, ast.Lambda) for n in ast.walk(funcs[name])), name
-    writes = [t for n in ast.walk(funcs["accumulate_mini_batch"]) if isinstance(n, ast.Assign) for t in n.targets
-              if isinstance(t, ast.Subscript) and getattr(t.value, "id", "") == "reference"]
-    assert writes == []
+    for name in ("accumulate_mini_batch", "reference_logprobs"):  # the reference flows as values, in both phases
+        writes = [t for n in ast.walk(funcs[name]) if isinstance(n, (ast.Assign, ast.AugAssign))
+                  for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Subscript)]
+        assert writes == [], name
 
 
 def test_shared_prompt_forward_matches_full_forwards(tiny_model_dir):
     """group_size > 1 runs each prompt once and shares its KV cache: same log-probs and same gradient."""
-    model, tok = pacs.load_model(tiny_model_dir)
-    prompts = [pacs.build_prompt(tok, "What is 1 + 1?"), pacs.build_prompt(tok, "A longer one: what is 10 + 20 + 30?")]
+    model, tok = plumbing.load_model(tiny_model_dir)
+    prompts = [plumbing.build_prompt(tok, "What is 1 + 1?"),
+               plumbing.build_prompt(tok, "A longer one: what is 10 + 20 + 30?")]
     torch.manual_seed(0)
     roll = pacs.sample(model, tok, prompts, group_size=4, max_new_tokens=7)
     roll["response_mask"][1, 3:] = 0  # an early EOS: padding after it must not matter
@@ -318,8 +373,9 @@ def test_shared_prompt_forward_matches_full_forwards(tiny_model_dir):
 
 
 def test_shared_prefill_generates_what_per_row_prefill_does(tiny_model_dir):
-    model, tok = pacs.load_model(tiny_model_dir)
-    prompts = [pacs.build_prompt(tok, "What is 1 + 1?"), pacs.build_prompt(tok, "A longer one: what is 10 + 20?")]
+    model, tok = plumbing.load_model(tiny_model_dir)
+    prompts = [plumbing.build_prompt(tok, "What is 1 + 1?"),
+               plumbing.build_prompt(tok, "A longer one: what is 10 + 20?")]
     shared = pacs.sample(model, tok, prompts, group_size=3, max_new_tokens=8, greedy=True)
     per_row = pacs.sample(model, tok, [p for p in prompts for _ in range(3)], group_size=1, max_new_tokens=8,
                           greedy=True)
@@ -344,9 +400,9 @@ def test_smollm2_from_gguf_trains_one_step_and_saves_a_plain_checkpoint(tmp_path
     rows = run("smollm2", "synthetic", tmp_path, "--steps", "1", "--prompts-per-step", "2", "--group-size", "4",
                "--num-mini-batches", "1", "--micro-batch-size", "8", "--max-new-tokens", "8", "--lr", "1e-5")
     assert len(rows) == 1 and all(math.isfinite(rows[0][k]) for k in ("loss", "grad_norm", "entropy"))
-    model, tok = pacs.load_model(pacs.latest_checkpoint(str(tmp_path)))
+    model, tok = plumbing.load_model(plumbing.latest_checkpoint(str(tmp_path)))
     assert getattr(model, "hf_quantizer", None) is None and model.config.model_type == "llama"
-    assert "<|im_start|>" in pacs.build_prompt(tok, "1 + 1?")  # the chat template survived the round trip
+    assert "<|im_start|>" in plumbing.build_prompt(tok, "1 + 1?")  # the chat template survived the round trip
 
 
 def test_held_out_greedy_accuracy_is_logged(digit_model, const7_file, tmp_path):
@@ -372,5 +428,5 @@ def test_two_processes_converting_one_gguf_both_get_the_converted_folder(tmp_pat
         shutil.copytree(src, dst)
         real_replace(src, dst)
     monkeypatch.setattr(os, "replace", other_process_first)
-    out = pacs.gguf_to_hf_dir(str(gguf))
+    out = plumbing.gguf_to_hf_dir(str(gguf))
     assert os.path.isfile(os.path.join(out, "config.json")) and glob.glob(out + ".tmp*") == []

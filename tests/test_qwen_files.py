@@ -15,6 +15,7 @@ import torch
 
 import eval as pacs_eval
 import pacs
+import plumbing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN = os.path.join(ROOT, "..", "shared", "models", "qwen2.5-0.5b-instruct")
@@ -81,11 +82,11 @@ def assert_on_policy(model, tok, roll, calls, temperature, group_size):
 
 
 def prompts_for(tok, *problems):
-    return [pacs.build_prompt(tok, p) for p in problems]
+    return [plumbing.build_prompt(tok, p) for p in problems]
 
 
 def test_rollouts_sample_exactly_pi_old_despite_qwens_generation_config(qwen_dir):
-    model, tok = pacs.load_model(qwen_dir)
+    model, tok = plumbing.load_model(qwen_dir)
     gc = model.generation_config  # the precondition: the shared file really carries defaults that would leak
     assert gc.repetition_penalty > 1 and gc.top_k == 20 and gc.top_p < 1 and gc.temperature != 1
     calls = record_generate(model)
@@ -102,7 +103,7 @@ def test_rollouts_sample_exactly_pi_old_despite_qwens_generation_config(qwen_dir
 
 
 def test_greedy_rollouts_apply_no_logits_processor(qwen_dir):
-    model, tok = pacs.load_model(qwen_dir)
+    model, tok = plumbing.load_model(qwen_dir)
     calls = record_generate(model)
     roll = pacs.sample(model, tok, prompts_for(tok, "What is 1+1?"), max_new_tokens=6, greedy=True)
     scores, logits = calls[-1]
@@ -114,7 +115,7 @@ def test_no_generation_config_field_of_the_model_reaches_the_sampler(qwen_dir):
     """Every logits processor, warper and stopping field transformers reads, switched on in the model's
     generation_config: sample() must still draw from softmax(logits / T), with its own length and shape."""
     from transformers import WatermarkingConfig
-    model, tok = pacs.load_model(qwen_dir)
+    model, tok = plumbing.load_model(qwen_dir)
     hostile = dict(repetition_penalty=1.3, encoder_repetition_penalty=1.3, top_k=5, top_p=0.5, min_p=0.2,
                    top_h=0.5, typical_p=0.5, epsilon_cutoff=0.01, eta_cutoff=0.01, temperature=0.3,
                    no_repeat_ngram_size=1, bad_words_ids=[[NEWLINE]], suppress_tokens=[NEWLINE, 13],
@@ -139,14 +140,14 @@ def test_eval_samples_at_the_papers_temperature_and_top_p_and_nothing_else(qwen_
     from transformers import TopPLogitsWarper
     args = pacs_eval.parse_args([])
     assert (args.temperature, args.top_p) == (0.6, 0.95)  # the paper's evaluation protocol
-    calls, load_model = [], pacs.load_model
+    calls, load_model = [], plumbing.load_model
 
     def load_and_record(*a, **k):
         model, tok = load_model(*a, **k)
         calls.append(record_generate(model))
         return model, tok
 
-    monkeypatch.setattr(pacs, "load_model", load_and_record)
+    monkeypatch.setattr(plumbing, "load_model", load_and_record)
     pacs_eval.main(["--model", qwen_dir, "--datasets", tiny_problems_file, "--limit", "2", "--n", "2",
                     "--max-new-tokens", "4", "--out", str(tmp_path / "eval")])
     assert os.path.isfile(tmp_path / "eval" / "metrics.json")
@@ -188,10 +189,10 @@ SCRIPT = {NEWLINE: [FOUR, SEVEN, NINE], FOUR: [IM_END], SEVEN: [ENDOFTEXT], NINE
 
 
 def test_chat_template_adds_qwens_default_system_prompt(qwen_dir):
-    _, tok = pacs.load_model(qwen_dir)
-    prompt = pacs.build_prompt(tok, "What is 1+1?")
+    _, tok = plumbing.load_model(qwen_dir)
+    prompt = plumbing.build_prompt(tok, "What is 1+1?")
     assert prompt == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-                      "<|im_end|>\n<|im_start|>user\nWhat is 1+1?" + pacs.PROMPT_SUFFIX +
+                      "<|im_end|>\n<|im_start|>user\nWhat is 1+1?" + plumbing.PROMPT_SUFFIX +
                       "<|im_end|>\n<|im_start|>assistant\n")
     ids = tok(prompt, add_special_tokens=False)["input_ids"]  # as sample() tokenises: no BOS is added
     assert ids[0] == IM_START and ids.count(IM_START) == 3 and ids.count(IM_END) == 2  # special tokens, not text
@@ -199,8 +200,8 @@ def test_chat_template_adds_qwens_default_system_prompt(qwen_dir):
 
 
 def test_both_eos_ids_end_a_response_and_the_first_stays_in_the_mask(qwen_dir):
-    model, tok = pacs.load_model(qwen_dir)
-    assert pacs.eos_token_ids(model, tok) == [ENDOFTEXT, IM_END]
+    model, tok = plumbing.load_model(qwen_dir)
+    assert plumbing.eos_token_ids(model, tok) == [ENDOFTEXT, IM_END]
     assert tok.pad_token_id == ENDOFTEXT and tok.padding_side == "left"  # pad is one of the EOS ids
     script_next_tokens(model, SCRIPT)
     torch.manual_seed(0)
@@ -217,7 +218,7 @@ def test_both_eos_ids_end_a_response_and_the_first_stays_in_the_mask(qwen_dir):
 
 
 def test_pad_equal_to_an_eos_id_breaks_neither_logprobs_nor_a_training_step(qwen_dir):
-    model, tok = pacs.load_model(qwen_dir)
+    model, tok = plumbing.load_model(qwen_dir)
     script_next_tokens(model, SCRIPT)
     torch.manual_seed(0)
     roll = pacs.sample(model, tok, prompts_for(tok, "What is 2+2?"), group_size=12, max_new_tokens=5)
@@ -229,7 +230,7 @@ def test_pad_equal_to_an_eos_id_breaks_neither_logprobs_nor_a_training_step(qwen
     # a whole train_step: "4" is right, "7" and "9" wrong, so every group has mixed rewards
     cfg = pacs.Config(group_size=6, prompts_per_step=2, num_mini_batches=2, micro_batch_size=6, max_new_tokens=5,
                       lr=1e-2, temperature=1.0)
-    pacs.check_config(cfg)
+    plumbing.check_config(cfg)
     before = [p.detach().clone() for p in model.parameters()]
     problems = [{"id": str(i), "problem": f"What is {i}+{4 - i}?", "answer": "4"} for i in range(4)]
     optimizer = pacs.make_optimizer(cfg, model)
@@ -246,9 +247,9 @@ def test_a_pacs_checkpoint_loads_in_eval_with_the_same_tokenizer_and_template(qw
     pacs.main(["--model", qwen_dir, "--dataset", tiny_problems_file, "--out-dir", str(run_dir), "--steps", "1",
                "--group-size", "2", "--prompts-per-step", "2", "--num-mini-batches", "1", "--micro-batch-size", "2",
                "--max-new-tokens", "3", "--eval-every", "0", "--log-samples-every", "0"])
-    ckpt = pacs.latest_checkpoint(str(run_dir))
+    ckpt = plumbing.latest_checkpoint(str(run_dir))
     assert ckpt is not None and ckpt.endswith("checkpoint-000000")
-    model0, tok0 = pacs.load_model(qwen_dir)
+    model0, tok0 = plumbing.load_model(qwen_dir)
     seen, sample = [], pacs.sample
 
     def sample_and_record(model, tok, prompts, *a, **k):  # what eval.py samples with: tokenizer and prompts
@@ -266,5 +267,5 @@ def test_a_pacs_checkpoint_loads_in_eval_with_the_same_tokenizer_and_template(qw
     assert prompts == prompts_for(tok0, *problems)  # the template (system prompt included) survived the save
     for text in prompts + ["<|im_end|><|endoftext|> x² = 4"]:
         assert tok(text, add_special_tokens=False)["input_ids"] == tok0(text, add_special_tokens=False)["input_ids"]
-    assert (pacs.eos_token_ids(model, tok), tok.pad_token_id, tok.padding_side) == \
-           (pacs.eos_token_ids(model0, tok0), ENDOFTEXT, "left")
+    assert (plumbing.eos_token_ids(model, tok), tok.pad_token_id, tok.padding_side) == \
+           (plumbing.eos_token_ids(model0, tok0), ENDOFTEXT, "left")

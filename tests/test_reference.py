@@ -13,6 +13,8 @@ import torch
 
 import pacs
 
+import plumbing
+
 G, P, M = 8, 8, 2  # 8 prompts x 8 samples; 2 mini-batches of 32 rows, one micro-batch each
 ROWS_PER_MINI = P * G // M
 
@@ -35,7 +37,7 @@ def no_timing(rows):
 
 
 def final_weights(out_dir):
-    model, _ = pacs.load_model(pacs.latest_checkpoint(str(out_dir)))
+    model, _ = plumbing.load_model(plumbing.latest_checkpoint(str(out_dir)))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -89,8 +91,8 @@ def test_k1_is_the_run_without_a_reference_model_bit_for_bit(digit_model, const7
     torch.manual_seed(2)
     random.seed(2)
     np.random.seed(2)
-    model, tok = pacs.load_model(digit_model)
-    problems = pacs.load_problems(const7_file)
+    model, tok = plumbing.load_model(digit_model)
+    problems = plumbing.load_problems(const7_file)
     optimizer = pacs.make_optimizer(cfg, model)
     by_hand = []
     for step in range(3):
@@ -157,7 +159,7 @@ def test_a_reset_clears_adamw_at_steps_k_2k_unless_kept(digit_model, const7_file
 
 
 def test_reset_reference_copies_the_weights_and_clears_the_moments(digit_model):
-    model, _ = pacs.load_model(digit_model)
+    model, _ = plumbing.load_model(digit_model)
     ref = copy.deepcopy(model).requires_grad_(False)
     cfg = pacs.Config(ref_reset_every=3)
     optimizer = pacs.make_optimizer(cfg, model)
@@ -206,8 +208,8 @@ def test_the_plan_holds_the_reference_copy():
     c = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)
     n = 10 ** 6
-    official = pacs.memory_plan(pacs.Config(), c, n, "cpu", 8, 1)
-    paper = pacs.memory_plan(pacs.Config(ref_reset_every=16), c, n, "cpu", 8, 1)
+    official = plumbing.memory_plan(pacs.Config(), c, n, "cpu", 8, 1)
+    paper = plumbing.memory_plan(pacs.Config(ref_reset_every=16), c, n, "cpu", 8, 1)
     assert official["reference copy (fp32)"] == 0
     assert paper["state (held throughout)"] - official["state (held throughout)"] == 4 * n
     assert paper["peak"] - official["peak"] == 4 * n

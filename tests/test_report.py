@@ -13,10 +13,11 @@ import pytest
 
 import eval as ev
 import pacs
+import plumbing
 
 TIMING_KEYS = {"time_generate", "time_verify", "time_old_logprobs", "time_update", "time_eval", "time_save",
                "step_time", "samples_per_s"}
-INSTALLED = [t for t in pacs.TRACKERS if importlib.util.find_spec(t)]
+INSTALLED = [t for t in plumbing.TRACKERS if importlib.util.find_spec(t)]
 
 
 def needs(tracker):
@@ -61,20 +62,20 @@ def watched(digit_model, const7_file, tmp_path_factory):
         if "trackio" in INSTALLED:
             import trackio.sqlite_storage
             mp.setattr(trackio.sqlite_storage, "TRACKIO_DIR", tmp / "trackio")
-        save = pacs.save_checkpoint
+        save = plumbing.save_checkpoint
 
         def killed_at_step_3(cfg, model, tokenizer, optimizer, step, *args):
             if step == 3:
                 raise KeyboardInterrupt("killed")
             return save(cfg, model, tokenizer, optimizer, step, *args)
-        mp.setattr(pacs, "save_checkpoint", killed_at_step_3)
+        mp.setattr(plumbing, "save_checkpoint", killed_at_step_3)
         args = ["--steps", "4", "--save-every", "2", "--log-samples-every", "2", "--report-to", "all"]
         with pytest.raises(KeyboardInterrupt):
             train(digit_model, const7_file, tmp / "run", *args)
         drawings_done()
         with open(tmp / "run" / "metrics.jsonl") as f:
             killed = [json.loads(line) for line in f]
-        mp.setattr(pacs, "save_checkpoint", save)
+        mp.setattr(plumbing, "save_checkpoint", save)
         rows = train(digit_model, const7_file, tmp / "run", *args, "--resume")
     plain = train(digit_model, const7_file, tmp / "plain", "--steps", "4", "--save-every", "2",
                   "--log-samples-every", "2")
@@ -181,9 +182,9 @@ def test_curves_png_is_drawn_from_metrics_jsonl(watched):
     path = watched["dir"] / "curves.png"
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    fig = pacs.draw_curves(str(watched["dir"]))
+    fig = plumbing.draw_curves(str(watched["dir"]))
     titles = [ax.get_title() for ax in fig.axes]
-    assert titles[:8] == [title for title, _ in pacs.CURVES] + ["step time by phase (s)"]
+    assert titles[:8] == [title for title, _ in plumbing.CURVES] + ["step time by phase (s)"]
     reward = fig.axes[0].lines[0]
     assert list(reward.get_xdata()) == [0, 1, 2, 3]
     assert list(reward.get_ydata()) == [r["reward"] for r in watched["rows"]]
@@ -198,7 +199,7 @@ def test_curves_split_the_step_time_by_every_phase_logged(tmp_path):
              **({"time_save": 1.5} if s == 2 else {})} for s in range(60)]
     partial = '{"step": 60, "reward": 0.'  # the row the loop is writing while the thread reads
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + partial)
-    fig = pacs.draw_curves(str(tmp_path))
+    fig = plumbing.draw_curves(str(tmp_path))
     assert list(fig.axes[0].lines[0].get_xdata()) == list(range(60))
     phases = [t.get_text() for t in fig.axes[7].get_legend().get_texts()]
     assert phases == ["generate", "verify", "old logprobs", "update", "eval", "save"]
@@ -218,11 +219,11 @@ def test_curves_are_drawn_beside_the_step_one_drawing_at_a_time(tmp_path, monkey
         started.set()
         release.wait(10)
         drawn.append(out_dir)
-    monkeypatch.setattr(pacs, "draw_curves", slow_draw)
-    first = pacs.redraw_curves("a")
+    monkeypatch.setattr(plumbing, "draw_curves", slow_draw)
+    first = plumbing.redraw_curves("a")
     assert started.wait(10) and first.is_alive()  # returned while drawing: the step goes on
-    assert pacs.redraw_curves("b", first) is first  # a checkpoint during a drawing skips its own
-    last = pacs.redraw_curves("c", first, last=True)  # the run's last: queued after it, not waited for
+    assert plumbing.redraw_curves("b", first) is first  # a checkpoint during a drawing skips its own
+    last = plumbing.redraw_curves("c", first, last=True)  # the run's last: queued after it, not waited for
     assert last is not first and last.is_alive() and not last.daemon  # the process exits once it is drawn
     release.set()
     last.join(10)
@@ -231,7 +232,7 @@ def test_curves_are_drawn_beside_the_step_one_drawing_at_a_time(tmp_path, monkey
 
 def test_a_failing_figure_warns_and_the_run_goes_on(digit_model, const7_file, tmp_path, monkeypatch, capsys):
     drawings_done()
-    monkeypatch.setattr(pacs, "draw_curves", lambda out_dir: (_ for _ in ()).throw(OSError("No space left")))
+    monkeypatch.setattr(plumbing, "draw_curves", lambda out_dir: (_ for _ in ()).throw(OSError("No space left")))
     rows = train(digit_model, const7_file, tmp_path, "--steps", "2", "--save-every", "1")
     drawings_done()
     assert [r["step"] for r in rows] == [0, 1]
@@ -248,8 +249,8 @@ def test_a_tracker_failing_mid_run_warns_once_and_the_run_goes_on(digit_model, c
                 raise OSError("No space left on device")
             logged.append(step)
         return log, lambda: logged.append("closed")
-    monkeypatch.setitem(pacs.OPEN_TRACKER, "tensorboard", broken)
-    monkeypatch.setattr(pacs, "report_targets", lambda names: ["tensorboard"] if names else [])
+    monkeypatch.setitem(plumbing.OPEN_TRACKER, "tensorboard", broken)
+    monkeypatch.setattr(plumbing, "report_targets", lambda names: ["tensorboard"] if names else [])
     rows = train(digit_model, const7_file, tmp_path, "--steps", "3", "--report-to", "tensorboard")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert logged == [0]  # dropped at its failure: never called again, not even to close
@@ -272,8 +273,8 @@ def test_asking_for_a_tracker_not_installed_or_unknown_is_a_one_line_error(tiny_
     with pytest.raises(SystemExit) as e:
         ev.main(["--model", tiny_model_dir, "--datasets", "synthetic", "--report-to", "wandb"])
     assert str(e.value) == "eval.py: error: --report-to wandb: the package is not installed: pip install wandb"
-    assert pacs.report_targets(["none"]) == pacs.report_targets(None) == []
-    assert pacs.report_targets(["all"]) == [t for t in pacs.TRACKERS if t == "tensorboard" or t in INSTALLED
+    assert plumbing.report_targets(["none"]) == plumbing.report_targets(None) == []
+    assert plumbing.report_targets(["all"]) == [t for t in plumbing.TRACKERS if t == "tensorboard" or t in INSTALLED
                                             and t != "wandb"]
 
 

@@ -17,6 +17,8 @@ import torch
 
 import pacs
 
+import plumbing
+
 G, P, M, MICRO = 4, 6, 3, 4  # 6 prompts x 4 samples = 24 rows; 3 mini-batches of 8 rows; 2 micro-batches each
 ROWS_PER_MINI = P * G // M
 LOG2 = math.log(2.0)
@@ -28,7 +30,7 @@ def make_cfg(model_dir, out_dir="unused", *extra):
                            "--group-size", str(G), "--prompts-per-step", str(P), "--num-mini-batches", str(M),
                            "--micro-batch-size", str(MICRO), "--max-new-tokens", "4", "--lr", "1e-2",
                            "--weight-decay", "0", "--eval-every", "0", *extra])
-    pacs.check_config(cfg)
+    plumbing.check_config(cfg)
     return cfg
 
 
@@ -90,7 +92,7 @@ def check_call_matches_rollout(call, roll):
 # ---- 1. the critic is switched on: later mini-batches are scored against pi_old ------------------------
 def test_later_mini_batches_score_against_the_weights_from_before_the_first_update(tiny_model_dir, monkeypatch):
     cfg = make_cfg(tiny_model_dir)
-    model, tok = pacs.load_model(tiny_model_dir)
+    model, tok = plumbing.load_model(tiny_model_dir)
     optimizer = pacs.make_optimizer(cfg, model)
     after_update = []  # the weights after each optimizer step
     optimizer.register_step_post_hook(lambda opt, args, kwargs: after_update.append(copy.deepcopy(model.state_dict())))
@@ -130,7 +132,7 @@ def test_data_order_is_a_seeded_reshuffle_each_epoch():
 
     def order(seed):
         flat = [i for step in range(math.ceil(epochs * n / per_step))
-                for i in pacs.batch_indices(step, n, per_step, seed)]
+                for i in plumbing.batch_indices(step, n, per_step, seed)]
         return [flat[e * n:(e + 1) * n] for e in range(epochs)]
 
     a = order(0)
@@ -148,7 +150,7 @@ def test_data_order_is_a_seeded_reshuffle_each_epoch():
 
 def test_train_step_samples_the_prompts_of_batch_indices(tiny_model_dir, monkeypatch):
     cfg = make_cfg(tiny_model_dir, "unused", "--seed", "5")
-    model, tok = pacs.load_model(tiny_model_dir)
+    model, tok = plumbing.load_model(tiny_model_dir)
 
     class Sampled(Exception):
         pass
@@ -160,7 +162,8 @@ def test_train_step_samples_the_prompts_of_batch_indices(tiny_model_dir, monkeyp
     for step in (0, 1, 2):  # step 1 straddles the end of the first epoch (6 + 6 > 10 problems)
         with pytest.raises(Sampled) as got:
             pacs.train_step(cfg, model, tok, None, PROBLEMS, step, torch.device("cpu"))
-        want = [pacs.build_prompt(tok, PROBLEMS[i]["problem"]) for i in pacs.batch_indices(step, len(PROBLEMS), P, 5)]
+        want = [plumbing.build_prompt(tok, PROBLEMS[i]["problem"])
+                for i in plumbing.batch_indices(step, len(PROBLEMS), P, 5)]
         assert got.value.args[0] == want
 
 
@@ -182,7 +185,7 @@ def same_state(a, b):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_gradient_skips_that_mini_batch_only(tiny_model_dir, monkeypatch, bad):
     cfg = make_cfg(tiny_model_dir)
-    model, tok = pacs.load_model(tiny_model_dir)
+    model, tok = plumbing.load_model(tiny_model_dir)
     optimizer = pacs.make_optimizer(cfg, model)
     # the first micro-batch of mini-batch 1 gets a non-finite loss, so that mini-batch's gradient is non-finite
     poisoned = {"on": True}
@@ -244,7 +247,7 @@ def file_digests(d):
 
 def check_latest_is_complete(out_dir, previous, previous_digests, model, n_files):
     """The latest checkpoint is the previous one, untouched, or the new one (step 2), complete."""
-    latest = pacs.latest_checkpoint(out_dir)
+    latest = plumbing.latest_checkpoint(out_dir)
     assert latest is not None, "no checkpoint left"
     if latest == previous:
         assert file_digests(latest) == previous_digests, "the previous checkpoint was damaged"
@@ -263,7 +266,7 @@ def two_checkpoints(tiny_model_dir, tmp_path):
     """(cfg, model, tokenizer, optimizer, pristine out dir holding checkpoint 1, its digests, files per checkpoint)
     with model/optimizer moved on since checkpoint 1, ready to save checkpoint 2."""
     cfg = make_cfg(tiny_model_dir, tmp_path / "pristine")
-    model, tok = pacs.load_model(tiny_model_dir)
+    model, tok = plumbing.load_model(tiny_model_dir)
     optimizer = pacs.make_optimizer(cfg, model)
     os.makedirs(cfg.out_dir)
     for step in (1, 2):
@@ -271,7 +274,7 @@ def two_checkpoints(tiny_model_dir, tmp_path):
         optimizer.step()
         optimizer.zero_grad()
         if step == 1:
-            previous = pacs.save_checkpoint(cfg, model, tok, optimizer, 1)
+            previous = plumbing.save_checkpoint(cfg, model, tok, optimizer, 1)
     return cfg, model, tok, optimizer, previous, file_digests(previous), len(file_digests(previous))
 
 
@@ -288,7 +291,7 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_complete_latest_checkpoint(two_c
         run_cfg.out_dir = str(out)
         KILL.update(armed=True, at=k, seen=0)
         try:
-            pacs.save_checkpoint(run_cfg, model, tok, optimizer, 2)
+            plumbing.save_checkpoint(run_cfg, model, tok, optimizer, 2)
             killed = False
         except Killed:
             killed = True
@@ -317,6 +320,6 @@ def test_a_torn_trainer_state_write_leaves_the_previous_checkpoint_latest(two_ch
 
     monkeypatch.setattr(torch, "save", torn_save)
     with pytest.raises(Killed):
-        pacs.save_checkpoint(cfg, model, tok, optimizer, 2)
+        plumbing.save_checkpoint(cfg, model, tok, optimizer, 2)
     monkeypatch.setattr(torch, "save", real_save)
     assert check_latest_is_complete(cfg.out_dir, previous, digests, model, n_files) == "previous"

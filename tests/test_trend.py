@@ -307,6 +307,7 @@ def test_methods_are_the_papers_runs():
 def test_every_methods_command_is_a_valid_pacs_config(tmp_path):
     """pacs.py parses each run's command into the config the method names (no training)."""
     import pacs
+    import plumbing
     args = trend.parse_args(["--out", str(tmp_path), "--pacs-args", "--micro-batch-size 8"])
     trend.check_args(args)
     want = {"pacs": ("pacs", 1.0, "rloo", True), "pacs-beta2": ("pacs", 2.0, "rloo", True),
@@ -324,7 +325,7 @@ def test_every_methods_command_is_a_valid_pacs_config(tmp_path):
         else:
             assert cmd[1] == "pacs.py"
         cfg = pacs.parse_args(cmd[2:])
-        pacs.check_config(cfg)
+        plumbing.check_config(cfg)
         assert (cfg.seed, cfg.num_mini_batches, cfg.prompts_per_step, cfg.micro_batch_size) == (3, 4, 4, 8)
         assert cfg.resume and cfg.out_dir == os.path.join(str(tmp_path), f"{method}-s3")
         if method in want:
@@ -463,9 +464,10 @@ def test_lab_preset_fills_the_flags_left_unset(tmp_path):
     assert given.pacs_args == "--micro-batch-size 8 --device cpu"  # 1 prompt per mini-batch: its 8 rows
     assert trend.parse_args(["--lab", lab, "--prompts", "128"]).pacs_args == "--micro-batch-size 64 --device cpu"
     import pacs
+    import plumbing
     for a in (args, given):  # pacs.py accepts the micro-batch the preset picks
         trend.check_args(a)
-        pacs.check_config(pacs.parse_args(sweep.train_command(a, "pacs", 0)[2:]))
+        plumbing.check_config(pacs.parse_args(sweep.train_command(a, "pacs", 0)[2:]))
     scan = trend.parse_args(["--lab", lab, "--split", "val", "--lr", "3e-5"])
     assert scan.eval_datasets.endswith("val.jsonl") and scan.results.endswith("results/val-p32-lr3e-05")
     with pytest.raises(SystemExit) as e:  # the split is smaller than one step's prompts
@@ -733,8 +735,8 @@ def test_the_reliability_figures_best_beta_is_the_validation_scans(tmp_path):
 
 
 def pacs_edges():
-    import pacs
-    return pacs.CALIBRATION_EDGES
+    import plumbing
+    return plumbing.CALIBRATION_EDGES
 
 
 def test_lab_scan_picks_each_methods_best_mean_validation_pass1(tmp_path, capsys):

@@ -38,6 +38,7 @@ from trl_fixed_rollout import PROBLEMS, RecordingSGD, make_rollout, patch_pacs  
 from verl_on_cpu import ACTOR, LR, G, M, balanced_rows, run_verl, verl_batch, verl_config, verl_on_cpu  # noqa: E402
 
 import pacs  # noqa: E402
+import plumbing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -59,14 +60,14 @@ def verl_one_rank():
 def run_pacs(model_dir, table, monkeypatch):
     """pacs.train_step on the same rollout (plain HF model, SGD at lr 1): (gradients, weights after, metrics,
     the prompts in the order pacs.py trained them)."""
-    model, tokenizer = pacs.load_model(model_dir, "cpu", torch.float32)
+    model, tokenizer = plumbing.load_model(model_dir, "cpu", torch.float32)
     patch_pacs(monkeypatch, tokenizer, table, G)
     cfg = pacs.Config(model=model_dir, dataset="synthetic", prompts_per_step=len(PROBLEMS), group_size=G,
                       num_mini_batches=M, micro_batch_size=G, max_new_tokens=64, lr=LR, device="cpu", eval_every=0)
-    pacs.check_config(cfg)
+    plumbing.check_config(cfg)
     opt = RecordingSGD(model.parameters(), LR)
     metrics, _ = pacs.train_step(cfg, model, tokenizer, opt, PROBLEMS, 0, torch.device("cpu"))
-    order = [PROBLEMS[i] for i in pacs.batch_indices(0, len(PROBLEMS), len(PROBLEMS), cfg.seed)]
+    order = [PROBLEMS[i] for i in plumbing.batch_indices(0, len(PROBLEMS), len(PROBLEMS), cfg.seed)]
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     return opt.grads, weights, metrics, order
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import pacs
+
+import plumbing
 from conftest import ROOT
 
 OURS = os.path.join(ROOT, "experiments", "warning_probe.py")  # code compiled under these names runs as theirs/ours
@@ -52,7 +54,7 @@ def test_other_warnings_from_our_calls_stay_warnings(library):
 def test_a_deprecated_forward_keyword_is_an_error_through_torch_and_transformers_wrappers(tiny_model_dir):
     # transformers attributes this one to its own decorator, not to the caller: only the wrapper's walk past the
     # pass-through frames (Module.__call__, transformers' decorators) finds our line
-    decoder = pacs.load_model(tiny_model_dir)[0].get_decoder()
+    decoder = plumbing.load_model(tiny_model_dir)[0].get_decoder()
     ids = torch.zeros(1, 3, dtype=torch.long)
     with pytest.raises(FutureWarning, match="past_key_values"):
         run_as(OURS, "decoder(input_ids=ids, past_key_values=None, use_cache=True)", decoder=decoder, ids=ids)
@@ -63,12 +65,12 @@ def test_a_deprecated_forward_keyword_is_an_error_through_torch_and_transformers
 def test_sampling_and_the_shared_prompt_forward_raise_no_deprecation_warning(tiny_model_dir):
     # the two calls that reuse a prompt's KV cache: generate from a prefilled cache, the training forward over the
     # responses; any FutureWarning or DeprecationWarning, ours or transformers' own, is reported
-    model, tok = pacs.load_model(tiny_model_dir)
+    model, tok = plumbing.load_model(tiny_model_dir)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.manual_seed(0)
-        roll = pacs.sample(model, tok, [pacs.build_prompt(tok, "1 + 1 ="), pacs.build_prompt(tok, "2 + 30 =")],
+        roll = pacs.sample(model, tok, [plumbing.build_prompt(tok, "1 + 1 ="), plumbing.build_prompt(tok, "2 + 30 =")],
                            group_size=2, max_new_tokens=4)
         model.train()
-        pacs.response_logprobs(model, *pacs.rollout_rows(roll, slice(0, 4)), 1.0, group_size=2)
+        pacs.response_logprobs(model, *plumbing.rollout_rows(roll, slice(0, 4)), 1.0, group_size=2)
     assert [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))] == []

@@ -13,6 +13,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import pacs  # noqa: E402
+import plumbing
 
 PROBLEMS = [{"id": f"p{i}", "problem": f"What is {a} + {b}?", "answer": str(a + b)}
             for i, (a, b) in enumerate([(1, 2), (7, 5), (13, 4), (20, 9)])]
@@ -33,7 +34,7 @@ class RecordingSGD(torch.optim.SGD):
 
 def prompt_ids(tokenizer, problem):
     """The prompt tokens pacs.sample feeds generate (TRL's chat templating gives the same ones; checked)."""
-    return tuple(tokenizer(pacs.build_prompt(tokenizer, problem), add_special_tokens=False)["input_ids"])
+    return tuple(tokenizer(plumbing.build_prompt(tokenizer, problem), add_special_tokens=False)["input_ids"])
 
 
 def make_rollout(tokenizer, group_size, max_len, seed=0):
@@ -90,15 +91,15 @@ def patch_pacs(monkeypatch, tokenizer, table, group_size):
 
 def run_pacs(model_dir, table, group_size, num_mini_batches, lr, monkeypatch):
     """One pacs.train_step on the fixed rollout: (gradient of each mini-batch, metrics)."""
-    model, tokenizer = pacs.load_model(model_dir, "cpu", torch.float32)
+    model, tokenizer = plumbing.load_model(model_dir, "cpu", torch.float32)
     patch_pacs(monkeypatch, tokenizer, table, group_size)
     cfg = pacs.Config(model=model_dir, dataset="synthetic", prompts_per_step=len(PROBLEMS), group_size=group_size,
                       num_mini_batches=num_mini_batches, micro_batch_size=group_size, max_new_tokens=64, lr=lr,
                       device="cpu", eval_every=0)
-    pacs.check_config(cfg)
+    plumbing.check_config(cfg)
     opt = RecordingSGD(model.parameters(), lr)
     metrics, _ = pacs.train_step(cfg, model, tokenizer, opt, PROBLEMS, 0, torch.device("cpu"))
-    order = [PROBLEMS[i] for i in pacs.batch_indices(0, len(PROBLEMS), len(PROBLEMS), cfg.seed)]
+    order = [PROBLEMS[i] for i in plumbing.batch_indices(0, len(PROBLEMS), len(PROBLEMS), cfg.seed)]
     return opt.grads, metrics, order
 
 
@@ -111,13 +112,13 @@ def run_trl(model_dir, table, problems, group_size, per_device, grad_accum, num_
     from trl_pacs import PACSConfig, PACSTrainer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": p["problem"] + pacs.PROMPT_SUFFIX}],
+    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": p["problem"] + plumbing.PROMPT_SUFFIX}],
                                       "answer": p["answer"]} for p in problems])
     lookup = {(key, tuple(resp)): r for key, rows in table.items() for resp, r in rows}
     by_text = {tokenizer.decode(list(key)): key for key in table}
 
     def reward(prompts, completion_ids, **kwargs):  # the fixed label of each (prompt, response)
-        keys = [prompt_ids(tokenizer, p[0]["content"][:-len(pacs.PROMPT_SUFFIX)]) for p in prompts]
+        keys = [prompt_ids(tokenizer, p[0]["content"][:-len(plumbing.PROMPT_SUFFIX)]) for p in prompts]
         rewards = [lookup[(k, tuple(c))] for k, c in zip(keys, completion_ids)]
         return rewards if reward_override is None else [reward_override] * len(rewards)
 
