@@ -1,4 +1,4 @@
-"""The prepared GPU check's Python side (benchmarks/gpu_check.sh runs it; docs/gpu.md says how).
+"""The prepared GPU check's Python side (benchmarks/gpu_check.sh runs it; docs/gpu-check.md says how).
 
     python benchmarks/gpu_check.py prepare --wheels    # here, once: .gpu/ = model files, MATH text, the wheels
     python benchmarks/gpu_check.py probe OUT/probe.json          # versions, the card, SDPA's kernels, the allocator
@@ -296,6 +296,7 @@ def summary_rows(out):
                        ("step_off", "default step, every lever off (--pack-groups, --full-rows, --static-cache off, "
                                     "--verify-workers 1)"),
                        ("step_flex", "default step, --static-cache flex"),
+                       ("step_defer", "default step, --defer-stop-check"),
                        ("step_shared", "default step, one group per micro-batch, shared prompt"),
                        ("step_22g", "--memory-gib 22.5, the defaults"),
                        ("step_22g_ckpt", "--memory-gib 22.5, --gradient-checkpointing")):
@@ -340,11 +341,13 @@ def summary_rows(out):
     ratios = speed_up("step_default", "step_opt", *phases)
     if ratios:
         rows.append(("the opt-in levers together: speed-up over the defaults (same card, same call)", ratios))
-    ratios = speed_up("step_default", "step_flex", "step", "generate")
-    if ratios:
-        rows.append(("--static-cache flex: speed-up over the defaults (same card, same call)", ratios))
+    for lever, name in (("--static-cache flex", "step_flex"), ("--defer-stop-check", "step_defer")):
+        ratios = speed_up("step_default", name, "step", "generate")
+        if ratios:
+            rows.append((f"{lever}: speed-up over the defaults (same card, same call)", ratios))
     rows += target_rows(steps, rows)
-    attn = load("attn")
+    attn, forms = load("attn"), load("forms")
+    rows += lever_rows(steps, attn, forms)
     if attn and "error" not in attn:  # one decode step's attention (x layers) and sampling, in each form
         rows.append(("decode forms: a step's attention | sampling, ms", " | ".join(
             f"{k} {v['ms_a_step' if 'ms_a_step' in v else 'ms']:.2f}" if "ms" in v else
@@ -355,7 +358,6 @@ def summary_rows(out):
         runs = decode.get("profiles", {})
         rows.append(("decode: ms a step (prefill included), first call", " | ".join(
             f"{k[7:]} {v['ms_per_token']:.1f} ms, {v['first_call_s']:.1f} s" for k, v in runs.items()) or "none"))
-    forms = load("forms")
     if forms and "error" not in forms:  # one mini-batch in each form: each lever's own ratio on the update
         f = forms.get("forms", {})
         rows.append(("update forms: one mini-batch forward + backward (forward)", " | ".join(
@@ -390,12 +392,46 @@ def summary_rows(out):
     return rows
 
 
-TARGETS = {"step": 2.5, "update_share": 0.30, "decode_ms": 10.0, "small_card": 2.0}  # docs/gpu.md's targets
+TARGETS = {"step": 2.5, "update_share": 0.30, "decode_ms": 10.0, "small_card": 2.0}  # docs/gpu-check.md's
+LEVER_BAR, LEVER_MARGIN = 1.10, 0.05  # an opt-in lever stays at 1.10x on its phase in one call; within 5%: undecided
+
+
+def lever_verdict(ratio):
+    """An opt-in lever's fate by its same-call ratio: kept at LEVER_BAR or more, removed below it, and left opt-in,
+    undecided, where the ratio falls within LEVER_MARGIN of the bar (one timed step is one sample)."""
+    if ratio >= round(LEVER_BAR * (1 + LEVER_MARGIN), 4):  # x1.155
+        return f"keep (x{ratio:.2f} >= x{LEVER_BAR:.2f}; a CUDA default where exact)"
+    if ratio < round(LEVER_BAR / (1 + LEVER_MARGIN), 4):  # x1.0476
+        return f"remove (x{ratio:.2f} < x{LEVER_BAR:.2f})"
+    return f"undecided (x{ratio:.2f}, within {100 * LEVER_MARGIN:.0f}% of x{LEVER_BAR:.2f}): stays opt-in"
+
+
+def lever_rows(steps, attn, forms):
+    """A row per opt-in lever: its verdict (lever_verdict) from its own same-call A/B, or 'not measured' and the
+    step it needs. --static-cache flex and --defer-stop-check: generate against step_default's; --sampler gumbel: a
+    decode step's sampling (attn); --compile-head, --compile-layers: one mini-batch's forward + backward (forms)."""
+    ran = {k: v for k, v in steps.items() if v and "error" not in v}
+    a = attn.get("forms", {}) if attn and "error" not in attn else {}
+    f = forms.get("forms", {}) if forms and "error" not in forms else {}
+    def form_pair(slow, fast):  # (eager s, compiled s) of one mini-batch's forward + backward at a size both ran
+        sizes = [k.rsplit("-", 1)[1] for k in f if k.startswith(fast + "-") and f"{slow}-{k.rsplit('-', 1)[1]}" in f]
+        pick = [(f[f"{slow}-{n}"].get("fwd_bwd_s"), f[f"{fast}-{n}"].get("fwd_bwd_s")) for n in sizes]
+        return pick[0] if pick else (None, None)
+    pairs = {"--static-cache flex": ("generate", ran.get("step_default", {}).get("generate_s"),
+                                     ran.get("step_flex", {}).get("generate_s"), "step_default and step_flex"),
+             "--defer-stop-check": ("generate", ran.get("step_default", {}).get("generate_s"),
+                                    ran.get("step_defer", {}).get("generate_s"), "step_default and step_defer"),
+             "--sampler gumbel": ("a decode step's sampling", a.get("sample-hf", {}).get("ms"),
+                                  a.get("sample-gumbel", {}).get("ms"), "attn"),
+             "--compile-layers": ("one mini-batch's update", *form_pair("full", "layersc"), "forms (full, layersc)"),
+             "--compile-head": ("one mini-batch's LM head", *form_pair("head", "headc"), "forms (head, headc)")}
+    return [(f"lever {lever}: {phase}, same call", lever_verdict(slow / fast) if slow and fast
+             else f"not measured: needs {needs}") for lever, (phase, slow, fast, needs) in pairs.items()]
 
 
 def target_rows(steps, rows):
-    """One row per target of docs/gpu.md, read from this call's steps: 'met' or 'short' with its numbers, or 'not
-    measured' and the steps it needs. The step's target is against every lever off (step_off); the 22.5 GiB one is
+    """One row per target of docs/gpu-check.md, read from this call's steps: 'met' or 'short' with its numbers, or
+    'not measured' and the steps it needs. The step's target is against every lever off (step_off); the 22.5 GiB one is
     --gradient-checkpointing against that card's defaults (step_22g)."""
     ran = {k: v for k, v in steps.items() if v and "error" not in v}
 

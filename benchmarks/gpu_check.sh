@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check of pacs.py, for a short loan of a GPU machine (docs/gpu.md: how to prepare and run it).
+# One prepared GPU check of pacs.py, for a short loan of a GPU machine (docs/gpu-check.md: how to prepare, run it).
 #
 #   bash benchmarks/gpu_check.sh OUT                 # on the GPU machine: the steps below that fit 470 s
 #   GPU_CHECK_STEPS="e2e_train e2e_resume e2e_eval" bash benchmarks/gpu_check.sh OUT   # those steps only
@@ -29,6 +29,8 @@
 #   attn           one decode step's attention and sampling at 1,024 rows in each form (decode_attention.py)
 #   step_flex      the default step with --static-cache flex (the decode attention reads the cache's filled blocks
 #                  only): against step_default, generate's ratio
+#   step_defer     the default step with --defer-stop-check (generate reads its stop a step late): against
+#                  step_default, generate's ratio
 #   step_dynamic   the default step with the dynamic KV cache and the verifier in this process (--static-cache off
 #                  --verify-workers 1): against step_default, generate's and the verifier's ratios
 #   decode         ms a decode step at 1,024 rows, the dynamic cache and the static one (compiled), with profiles
@@ -42,7 +44,8 @@
 # With CUDA --pack-groups, --full-rows, --static-cache and --verify-workers are on by default: step_shared and
 # step_dynamic against step_default give their ratios, phase by phase, on one card in one call. The opt-in levers
 # (--static-cache flex, --compile-head, --compile-layers, --sampler gumbel, --defer-stop-check): step_opt against
-# step_default all together; forms and attn time the compiled forms and the sampler alone. Then OUT/summary.md (a
+# step_default all together; each alone: step_flex, step_defer, forms (the compiled head and layers) and attn (the
+# sampler), each read against the 1.10x bar a lever must pass to stay (the summary's verdicts). Then OUT/summary.md (a
 # table with a verdict per check: a missing or nonzero psi, a peak over its plan or a failed command reads FAIL; a row
 # per target: met, short or not measured) and OUT/results.json (every step's JSON in one file: a GPU loan brings back
 # at most 8 files).
@@ -176,6 +179,7 @@ step forms 150 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir 
     "${FORMS[@]}" --decode-tokens 0 --json "$OUT/forms.json"
 step attn 90 "$PY" benchmarks/decode_attention.py --device "$DEVICE" "${ATTN[@]}" --json "$OUT/attn.json"
 step step_flex 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --static-cache flex --json "$OUT/step_flex.json"
+step step_defer 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" --defer-stop-check --json "$OUT/step_defer.json"
 step step_dynamic 170 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${DYNAMIC[@]}" --json "$OUT/step_dynamic.json"
 step decode 150 "$PY" benchmarks/update_forms.py --standin "$STANDIN" --data-dir "$GPU_DIR/data" --device "$DEVICE" \
     --forms "" "${DECODE[@]}" --json "$OUT/decode.json"

@@ -396,19 +396,20 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     files = sorted(os.listdir(out))
     assert files == ["attn.json", "check.log", "decode.json", "e2e_eval.json", "e2e_metrics.jsonl", "forms.json",
                      "probe.json", "profile.json", "psi_ckpt.json", "psi_levers.json", "results.json", "step_22g.json",
-                     "step_22g_ckpt.json", "step_default.json", "step_dynamic.json", "step_flex.json",
+                     "step_22g_ckpt.json", "step_default.json", "step_defer.json", "step_dynamic.json",
+                     "step_flex.json",
                      "step_off.json", "step_opt.json", "step_profiled.json", "step_shared.json",
                      "summary.md"]  # a call brings back results.json
     for name in ("probe", "build", "step_default", "step_opt", "step_off", "step_dynamic", "step_flex", "decode",
-                 "attn", "step_shared",
+                 "attn", "step_shared", "step_defer",
                  "psi_levers", "forms", "e2e_train", "e2e_resume", "e2e_eval", "profile", "psi_ckpt", "step_22g",
                  "step_22g_ckpt"):
         assert f"== {name}: exit 0" in log, name
     ran = [name for name in re.findall(r"^== (\w+) \(timeout", log, re.M) if name != "build"]
-    with open(os.path.join(ROOT, "docs", "gpu.md"), encoding="utf-8") as f:  # the step table's rows, in order
+    with open(os.path.join(ROOT, "docs", "gpu-check.md"), encoding="utf-8") as f:  # the step table, in order
         table = f.read().split("| step | what | pass |\n")[1].split("\n\n")[0]
     documented = re.findall(r"`(\w+)`", "".join(re.findall(r"^\|([^|]*)\|", table, re.M)[1:]))  # first cells
-    assert ran == documented  # the order docs/gpu.md gives: what a call's budget cuts comes last
+    assert ran == documented  # the order docs/gpu-check.md gives: what a call's budget cuts comes last
     summary = (out / "summary.md").read_text()  # the step's target read from this call's step_off
     assert re.search(r"target: the default step x2.5 faster than every lever off .*\| (met|short): step_default x",
                      summary), summary
@@ -423,8 +424,8 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
         assert r["verify_processes"] == min(len(os.sched_getaffinity(0)), 16), name  # the pool ran the verifier
     assert load("psi_ckpt")["gradient_checkpointing"] and not load("psi_levers")["gradient_checkpointing"]
     assert load("psi_ckpt")["ref_reset_every"] == 2 and load("psi_levers")["ref_reset_every"] == 1  # a frozen pi_ref
-    for name in ("step_default", "step_opt", "step_off", "step_dynamic", "step_flex", "step_shared", "step_22g",
-                 "step_22g_ckpt"):
+    for name in ("step_default", "step_opt", "step_off", "step_dynamic", "step_flex", "step_defer", "step_shared",
+                 "step_22g", "step_22g_ckpt"):
         r = load(name)
         for key in ("generate_s", "old_logprobs_s", "update_s", "generated_tokens_per_s", "generate_peak_gib",
                     "update_peak_gib", "plan_generate_gib", "plan_update_gib", "decode_ms_per_token"):
@@ -434,6 +435,9 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
     assert load("psi_levers")["compile_update_s"] > 0 and "compile_update_s" not in load("step_default")
     assert load("step_dynamic")["levers"]["static_cache"] == "off" and load("step_dynamic")["verify_processes"] == 1
     assert load("step_flex")["levers"]["static_cache"] == "flex"
+    assert load("step_defer")["levers"] == {**load("step_default")["levers"], "defer_stop_check": True}
+    levers = [v for k, v in re.findall(r"^\| (lever [^|]*?) +\| (.*) \|$", summary, re.M)]
+    assert len(levers) == 5 and not any(v.startswith("not measured") for v in levers), levers  # every A/B ran
     assert load("step_off")["levers"] == {**load("step_default")["levers"], "pack_groups": "off", "full_rows": "off",
                                           "static_cache": "off", "verify_workers": 1}
     assert load("step_opt")["levers"] == {**load("step_default")["levers"], "static_cache": "flex",

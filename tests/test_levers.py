@@ -828,6 +828,30 @@ def test_the_checks_summary_reads_each_target_met_short_or_not_measured(tmp_path
     assert [v.split(":")[0] for v in targets()] == ["short"] * 5
 
 
+def test_the_checks_summary_reads_each_opt_in_levers_verdict_at_the_bar(tmp_path):
+    """A row per opt-in lever from its own same-call A/B: kept at x1.10 or more on its phase, removed below, and left
+    opt-in where the ratio falls within 5% of the line (x1.048 to x1.155); not measured without its steps."""
+    import gpu_check
+
+    def verdicts():
+        return {k[6:].split(":")[0]: v.split(" ")[0] for k, v in gpu_check.summary_rows(str(tmp_path))
+                if k.startswith("lever ")}
+    assert set(verdicts().values()) == {"not"}  # not measured: nothing ran
+    assert set(verdicts()) == {"--static-cache flex", "--defer-stop-check", "--sampler gumbel", "--compile-layers",
+                               "--compile-head"}
+    write(tmp_path / "step_default.json", step_json(generate_s=11.55))
+    write(tmp_path / "step_flex.json", step_json(generate_s=10.0))  # x1.155: keep
+    write(tmp_path / "step_defer.json", step_json(generate_s=11.0))  # x1.05: undecided
+    write(tmp_path / "attn.json", {"forms": {"sample-hf": {"ms": 1.047}, "sample-gumbel": {"ms": 1.0}}})  # remove
+    form = lambda s: {"fwd_bwd_s": s, "fwd_s": s / 3, "fwd_bwd_first_s": 9.0}  # noqa: E731
+    write(tmp_path / "forms.json", {"forms": {"full-32": form(1.154), "layersc-32": form(1.0), "head-4": form(2.4),
+                                              "headc-4": form(2.0)}})
+    assert verdicts() == {"--static-cache flex": "keep", "--defer-stop-check": "undecided",
+                          "--sampler gumbel": "remove", "--compile-layers": "undecided", "--compile-head": "keep"}
+    assert [gpu_check.lever_verdict(r).split(" ")[0] for r in (1.0475, 1.0476, 1.1549, 1.155)] == [
+        "remove", "undecided", "undecided", "keep"]
+
+
 def test_the_checks_summary_reads_fail_for_a_missing_or_nonzero_psi_and_a_peak_over_its_plan(tmp_path):
     import gpu_check
     write(tmp_path / "psi_levers.json", {"varied_prompts": 128, "prompt_tokens": 512})  # psi missing
