@@ -201,7 +201,7 @@ def folded_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     """transformers' SDPA attention, but a lone query token's heads attend as queries of the K/V head they share:
     (B, H, 1, D) -> (B, Hkv, H/Hkv, D), and no copy of K/V for each query head. transformers folds so itself, but
     not in compiled code, where --static-cache's decode step runs: there it copied the whole cache H/Hkv times a
-    layer (7 for Qwen2.5-0.5B; docs/gpu.md). The same softmax over the same keys, row by row. flex: through
+    layer (7 for Qwen2.5-0.5B; experiments/gpu-runs/). The same softmax over the same keys, row by row. flex: through
     flex_decode_attention where the mask is a boolean one per row over whole blocks."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     groups = getattr(module, "num_key_value_groups", 1)

@@ -997,17 +997,25 @@ def log_step(cfg, step, metrics, examples, metrics_path, trackers):
         tqdm.write(f"  sample (R={e['reward']:.0f}, gold {e['answer']}): {e['response'][:200]!r}")
 
 
+# psi's spread (std over the step's rows) below which its ranking of a group's responses is float noise: a step whose
+# policy has barely moved (the quickstart's step 0, lr 1e-5: 1.75e-5) has psi within a few times fp32's rounding of a
+# sum of tens of log-probs, and two CPUs rank those pairs differently. metrics.jsonl keeps the AUC all the same.
+PSI_NOISE = 1e-4
+
+
 def step_line(m):
-    """The log line of a step: its main metrics; PACS's psi and critic (ranking, shift, share of the update);
-    PPO's value model (ranking, explained variance, loss); the held-out accuracy when evaluated."""
+    """The log line of a step: its main metrics; PACS's psi and critic (ranking, shift, share of the update; the
+    ranking printed as noise where psi's spread is below PSI_NOISE); PPO's value model (ranking, explained variance,
+    loss); the held-out accuracy when evaluated."""
     num = lambda key, spec: "-" if m.get(key) is None else format(m[key], spec)
     line = (f"step {m['step']:4d} | reward {m['reward']:.3f} | mixed {m['mixed_groups']:.2f} | "
             f"len {m['response_len']:.1f} | trunc {m['truncated']:.2f} | ent {m['entropy']:.3f} | "
             f"loss {m['loss']:.4f} | gnorm {m['grad_norm']:.3g} | {m['step_time']:.1f}s "
             f"{m['samples_per_s']:.2f} samples/s")
     if m["psi_mean"] is not None:
-        line += (f" | psi {m['psi_mean']:+.3f}±{m['psi_std']:.3f} sigma {m['sigma_psi']:.3f} | critic auc "
-                 f"{num('critic_auc', '.2f')} shift {num('critic_shift', '.3f')} dA {num('critic_adv_change', '.3f')}")
+        auc = num("critic_auc", ".2f") if m["psi_std"] is None or m["psi_std"] >= PSI_NOISE else "noise"
+        line += (f" | psi {m['psi_mean']:+.3f}±{m['psi_std']:.3f} sigma {m['sigma_psi']:.3f} | critic auc {auc} "
+                 f"shift {num('critic_shift', '.3f')} dA {num('critic_adv_change', '.3f')}")
     if "value_loss" in m:
         line += (f" | critic auc {num('critic_auc', '.2f')} ev {num('explained_var', '+.2f')} "
                  f"vloss {num('value_loss', '.4f')}")

@@ -19,7 +19,7 @@ in use), the update's model-FLOPs utilisation and the projected wall time of the
         --prompts-per-step 2 --num-mini-batches 2 --timed-steps 1   # real shape on a CPU: plan vs peak RSS
 
 Any pacs.py flag passes through (--micro-batch-size, --gen-batch-prompts, --gradient-checkpointing, ...).
-benchmarks/gpu_check.sh runs this several times as one prepared GPU check (docs/gpu.md).
+benchmarks/gpu_check.sh runs this several times as one prepared GPU check (docs/gpu-check.md).
 """
 import argparse
 import copy

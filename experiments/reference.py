@@ -208,13 +208,17 @@ def tables(summary):
 
 def plot(summary, path):
     """Test pass@1 and sigma(psi)'s AUC against the reset period (pi_old at the left, "never" at the right), each with
-    its 95% t-interval over seeds; the arm that keeps AdamW's state beside its period."""
+    its 95% t-interval over seeds; the arm that keeps AdamW's state beside its period. Each period's tick names the lr
+    its arm ran at (each arm's own validation check chose it): a comparison across periods mixes the period with it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     arms = summary["reference"]["arms"]
     order = {1: 0, 4: 1, 16: 2, 0: 3}
-    labels = ["1 (π_old)", "4", "16", "never"]
+    lrs = summary.get("settings", {}).get("lr", {})
+    lr = {a["ref_reset_every"]: lrs.get(a["method"]) for a in arms if a["clears_optimizer"]}
+    names = {1: "1 (π_old)", 4: "4", 16: "16", 0: "never"}
+    labels = [names[k] + (f"\nlr {lr[k]:g}" if lr.get(k) else "") for k in order]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, key, title in ((axes[0], "pass@1", "test pass@1"), (axes[1], "critic_auc", "σ(ψ)'s AUC")):
         for clears, marker, name in ((True, "o", "reset clears AdamW (v2)"), (False, "s", "AdamW kept")):

@@ -1,4 +1,5 @@
 """The README and docs/ link to each other's sections; a section renamed or moved must not leave a dead link."""
+import json
 import os
 import re
 
@@ -10,7 +11,8 @@ LABS = os.path.join(EXPERIMENTS, "labs")
 PAGES = (["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(DOCS)) if f.endswith(".md")]
          + [os.path.join("experiments", f) for f in sorted(os.listdir(EXPERIMENTS)) if f.endswith(".md")]
          + [os.path.join("experiments", "labs", d, "README.md") for d in sorted(os.listdir(LABS))
-            if os.path.isfile(os.path.join(LABS, d, "README.md"))])  # the guides, the campaign's pages, each lab's
+            if os.path.isfile(os.path.join(LABS, d, "README.md"))]  # the guides, the campaign's pages, each lab's
+         + [os.path.join("experiments", "gpu-runs", "README.md")])  # and the GPU calls' history
 LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target)
 
 
@@ -173,3 +175,42 @@ def test_a_sweep_tables_bold_cells_are_those_past_its_threshold_and_each_p_is_su
                                 f"its p against the page's threshold {threshold}")
     assert checked >= 8, f"{lab}: only {checked} cells read: the table was not found"
     assert not problems, f"experiments/labs/{lab}/README.md:\n" + "\n".join(problems)
+
+
+def test_the_gpu_guide_is_short_and_its_cells_are_sentences():
+    """docs/gpu.md answers what to type on a card and how fast it ran in a five-minute read: at most 200 lines, no
+    table cell over 60 words; the check's how-to and the calls' history live on pages of their own."""
+    with open(os.path.join(ROOT, "docs", "gpu.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert len(text.splitlines()) <= 200
+    cells = [c.strip() for line in text.splitlines() if line.startswith("|") for c in line.strip("|").split("|")]
+    long = [c[:60] for c in cells if len(c.split()) > 60]
+    assert cells and not long, long
+
+
+def over_bases_verdict(claim, rows=9):
+    """A margin over bases, by experiments/README.md's rule: 'threshold' where both the mixed model's p and the
+    t-test's over the base means pass 0.05 / rows, '95% only' where both 95% intervals exclude 0 but a p does not."""
+    import numpy as np
+    from scipy import stats
+    o, means = claim["over_bases"], [b["mean"] for b in claim["per_base"]]
+    p_mixed = 2 * stats.t.sf(abs(o["mean"] / o["se"]), o["df"])
+    p_means = 2 * stats.t.sf(abs(np.mean(means) / (np.std(means, ddof=1) / np.sqrt(len(means)))), len(means) - 1)
+    if max(p_mixed, p_means) < 0.05 / rows:
+        return "threshold"
+    t = claim["t_over_base_means"]["ci95"]
+    return "95% only" if o["ci95"][0] * o["ci95"][1] > 0 and t[0] * t[1] > 0 else "neither"
+
+
+def test_a_margin_over_bases_is_at_the_threshold_only_where_both_p_values_pass_it():
+    """The first lab's accuracy cell names each margin over five bases as its summary.json's numbers read by the page's
+    own rule (both p-values, 0.05 / 9); the mixed model's p of 0.00558 for PPO is on the threshold, not below it."""
+    with open(os.path.join(EXPERIMENTS, "labs", "lab", "summary.json"), encoding="utf-8") as f:
+        claims = {(c["b"], c["metric"]): c for c in json.load(f)["bases"]["claims"] if c["a"] == "pacs"}
+    readme = open(os.path.join(EXPERIMENTS, "README.md"), encoding="utf-8").read()
+    cell = readme[readme.index("Over five bases: below PPO"):].split("|")[0]
+    words = {"threshold": "at the 9 rows' threshold", "95% only": "at 95% only"}
+    for method, name in (("ppo", "PPO"), ("grpo", "GRPO")):
+        verdict = over_bases_verdict(claims[method, "pass@1"])
+        assert re.search(rf"below {name} {re.escape(words[verdict])}", cell), (name, verdict, cell)
+    assert over_bases_verdict(claims["ppo", "pass@1"]) == "95% only"
