@@ -198,7 +198,8 @@ def test_the_copying_snippet_runs_and_prints_what_the_readme_says(monkeypatch):
 
 def test_the_quickstart_quotes_its_committed_log_and_shows_the_critic():
     """The quickstart runs M >= 2, so its log's critic columns hold numbers; the lines it quotes are lines of the log
-    it links, the only log in experiments/logs/ (a new run's log replaces the old); its mean rewards are the log's."""
+    it links, the only log in experiments/logs/ (a new run's log replaces the old), whose first lines name the
+    conditions it ran in (command, commit, CPU, threads, load, wall time); its mean rewards are the log's."""
     text = readme_text()
     command = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1)
     assert int(re.search(r"--num-mini-batches (\d+)", command).group(1)) >= 2, "M = 1: the critic never acts"
@@ -206,7 +207,10 @@ def test_the_quickstart_quotes_its_committed_log_and_shows_the_critic():
     assert link, "the quickstart links no experiments/logs/*.log right above its quoted lines"
     assert os.listdir(os.path.join(ROOT, "experiments", "logs")) == [os.path.basename(link.group(1))]
     with open(os.path.join(ROOT, link.group(1)), encoding="utf-8") as f:
-        log = f.read().splitlines()
+        lines = f.read().splitlines()
+    conditions, log = [x for x in lines if x.startswith("# ")], [x for x in lines if not x.startswith("# ")]
+    for what in ("command:", "commit:", "cpu:", "threads:", "load average:", "wall:"):  # the log's own conditions
+        assert any(x.startswith(f"# {what}") for x in conditions), f"the log's first lines do not name its {what}"
     assert len(log) == int(re.search(r"--steps (\d+)", command).group(1)), "the log is not one line per step"
     quoted = [line for line in link.group(2).splitlines() if line != "..."]
     assert quoted and all(line in log for line in quoted), "the README quotes lines its log does not hold"
