@@ -949,7 +949,7 @@ def train_loop(cfg, device, lv, verifier):
     optimizer = make_optimizer(cfg, model)
     critic = None if cfg.algo != "ppo" else plumbing.load_value_model(  # PPO's value model, a resumed run's own
         cfg, os.path.join(resume_from, "critic") if resume_from else cfg.model, device)
-    critic_optimizer = critic and make_optimizer(cfg, critic, lr=cfg.critic_lr)
+    critic_optimizer = None if critic is None else make_optimizer(cfg, critic, lr=cfg.critic_lr)
     # PACS's frozen pi_ref (None: pi_ref = pi_old): an fp32 copy out of the optimizer, on pi_old's route and graphs
     ref_model = copy.deepcopy(model).eval() if cfg.ref_reset_every != 1 else None
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
