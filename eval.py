@@ -238,7 +238,7 @@ def sample_batch(model, tokenizer, batch, args, cache_tokens=0):
     for s in range(0, args.n, g):
         G = min(g, args.n - s)
         roll = pacs.sample(model, tokenizer, prompts, G, args.max_new_tokens, args.temperature, args.top_p,
-                           batch_prompts=len(prompts), lv=levers.Levers(cache_tokens=cache_tokens))
+                           batch_prompts=len(prompts), speed=levers.Levers(cache_tokens=cache_tokens))
         ids, mask = roll["response_ids"].cpu(), roll["response_mask"].cpu()  # (len(batch)*G, T)
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)  # pacs.sample pads after the first EOS
         lengths, trunc = mask.sum(1).tolist(), roll["truncated"].tolist()

@@ -48,7 +48,7 @@ class Levers:
 def on_device(cfg, device_type):
     """cfg's levers on device_type ("cuda" or "cpu"): each `auto` is on with CUDA and off elsewhere; --verify-workers
     -1 is a core each with CUDA (the verifier took 5.2 s of a 58 s default step on an H200 in-process, 3.5 s over 16
-    processes; docs/gpu.md), this process without."""
+    processes; experiments/gpu-runs/), this process without."""
     cuda = device_type == "cuda"
     on = lambda setting: setting == "on" or (setting == "auto" and cuda)  # noqa: E731
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32, "auto": torch.bfloat16 if cuda else torch.float32}
@@ -137,25 +137,25 @@ def verify_beside(reward_fn, responses, answers, pool=None):
 
 # ---- generate's levers: --static-cache (and flex), --sampler gumbel, --defer-stop-check ------------------------
 @contextmanager
-def decoding(model, generation_config, inputs, levers):
-    """Around one model.generate call: yields the (generation_config, inputs) to call it with under `levers`.
+def decoding(model, generation_config, inputs, speed):
+    """Around one model.generate call: yields the (generation_config, inputs) to call it with under `speed` (a Levers).
     --static-cache (a StaticCache in inputs, from static_cache): a lone query's heads folded onto their K/V head
     (folded_gqa_attention) where the model runs transformers' SDPA, then SDPA again (the log-prob forwards never see
     it); flex reads the cache's filled blocks only, compiled per batch shape. --sampler gumbel: the draw as greedy
     decoding over noised scores (gumbel_max_generation). --defer-stop-check: the stop read a step late."""
     undo = []
-    if levers.sampler == "gumbel" and generation_config.do_sample:
+    if speed.sampler == "gumbel" and generation_config.do_sample:
         generation_config, inputs = gumbel_max_generation(generation_config, inputs)
-    if levers.defer_stop:
+    if speed.defer_stop:
         undo.append(defer_stop_check())
-    if levers.cache_tokens and model.config._attn_implementation == "sdpa":
-        if levers.flex:  # a static graph per batch shape (the eval's, an OOM's halving): compiled with a dynamic
+    if speed.cache_tokens and model.config._attn_implementation == "sdpa":
+        if speed.flex:  # a static graph per batch shape (the eval's, an OOM's halving): compiled with a dynamic
             # batch, inductor's flex_attention does not build on the CPU (torch 2.13), and is untried on CUDA
             from transformers import CompileConfig
             generation_config = copy.deepcopy(generation_config)  # its compile_config too: the caller's stays
             generation_config.compile_config = generation_config.compile_config or CompileConfig()
             generation_config.compile_config.dynamic = False
-        model.set_attn_implementation(register_folded_attention(levers.flex))
+        model.set_attn_implementation(register_folded_attention(speed.flex))
         undo.append(lambda: model.set_attn_implementation("sdpa"))
     try:
         yield generation_config, inputs

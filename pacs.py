@@ -435,24 +435,25 @@ def rollout_generation_config(max_new_tokens, temperature=1.0, top_p=1.0, greedy
                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
 
-def generate_exactly(model, generation_config, lv=levers.Levers(), **inputs):
+def generate_exactly(model, generation_config, speed=levers.Levers(), **inputs):
     """model.generate(**inputs) with generation_config and nothing inherited from the model. transformers 5 fills
     every None field of the given config from model.generation_config, and a checkpoint's (Qwen2.5-Instruct:
     repetition_penalty 1.1, top_k 20, top_p 0.8, temperature 0.7) would take samples off pi_old, the distribution the
-    PACS/PPO ratio is taken against. So generate runs against a blank one (tests/test_qwen_files.py checks it),
-    under the run's levers lv (levers.decoding: --static-cache, --sampler gumbel, --defer-stop-check)."""
+    PACS/PPO ratio is taken against. So generate runs against a blank one (tests/test_qwen_files.py checks it), under
+    the run's speed levers (levers.decoding: --static-cache, --sampler gumbel, --defer-stop-check)."""
     from transformers import GenerationConfig
     inherited, model.generation_config = model.generation_config, GenerationConfig()
     try:
-        with levers.decoding(model, generation_config, inputs, lv) as (generation_config, inputs):
+        with levers.decoding(model, generation_config, inputs, speed) as (generation_config, inputs):
             return model.generate(**inputs, generation_config=generation_config)
     finally:
         model.generation_config = inherited
 
 
-def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad, lv=levers.Levers()):
+def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad, speed=levers.Levers()):
     """One generate() call for a slice of prompts: (prompt_ids, prompt_mask, response_ids, response_mask,
-    truncated). lv: the run's levers (--static-cache: a KV cache of lv.cache_tokens, allocated once)."""
+    truncated). speed: the run's levers (--static-cache: one KV cache of speed.cache_tokens or, if longer, the prompts'
+    and responses' length, rounded up to whole blocks for flex, allocated once)."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     ids = enc["input_ids"].repeat_interleave(group_size, 0)  # (n*G, Lp)
     attn = enc["attention_mask"].repeat_interleave(group_size, 0)
@@ -465,12 +466,12 @@ def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad, lv
                     use_cache=True, logits_to_keep=1)
         plumbing.check_finite(out.logits, "logits of generate's prefill", p_attn)
         cache = out.cache
-    if lv.cache_tokens:  # --static-cache: the prefix copied into a fixed-size cache, G rows a prompt
-        length = max(lv.cache_tokens, ids.shape[1] + gen_cfg.max_new_tokens)
-        cache = levers.static_cache(model, cache, group_size, length, lv.flex)
+    if speed.cache_tokens:  # --static-cache: the prefix copied into a fixed-size cache, G rows a prompt
+        length = max(speed.cache_tokens, ids.shape[1] + gen_cfg.max_new_tokens)
+        cache = levers.static_cache(model, cache, group_size, length, speed.flex)
     elif cache is not None:
         cache.batch_repeat_interleave(group_size)  # (n, ...) -> (n*G, ...): each prompt's cache for its G rows
-    out = generate_exactly(model, gen_cfg, lv, input_ids=ids, attention_mask=attn, cache=cache)  # (n*G, Lp+T)
+    out = generate_exactly(model, gen_cfg, speed, input_ids=ids, attention_mask=attn, cache=cache)  # (n*G, Lp+T)
     resp = out[:, ids.shape[1]:]  # (n*G, T)
     resp_mask, truncated = first_eos_mask(resp, eos)
     resp = torch.where(resp_mask.bool(), resp, torch.full_like(resp, pad))
@@ -479,31 +480,33 @@ def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad, lv
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, temperature=1.0, top_p=1.0,
-           greedy=False, batch_prompts=32, progress=False, sizes=None, lv=levers.Levers()):
+           greedy=False, batch_prompts=32, progress=False, sizes=None, speed=levers.Levers()):
     """group_size responses per prompt, rows i*G..i*G+G-1 of prompt i: prompt_ids, prompt_mask (N, Lp) left-padded,
     response_ids (N, T) (pad after the first EOS), response_mask (N, T) (1 up to and including it), truncated (N,).
-    batch_prompts prompts per generate call (<= 0: all), halved out of memory (kept in the run's sizes, a
-    plumbing.Sizes). lv: the run's levers (levers.on_device); default: the plain generate."""
+    batch_prompts prompts per generate call (<= 0: all), halved out of memory (and kept in sizes, the run's
+    plumbing.Sizes). speed: the run's speed levers (levers.on_device); default: the plain generate."""
     eos, pad = plumbing.eos_token_ids(model, tokenizer), tokenizer.pad_token_id
     gen_cfg = rollout_generation_config(max_new_tokens, temperature, top_p, greedy, eos, pad)  # samples ~ pi_old
     n = batch_prompts if batch_prompts > 0 else len(prompts)
-    if sizes is None or sizes.gen_batch_prompts != n:  # halvings kept for this call only
-        sizes = plumbing.Sizes(micro_batch_size=0, gen_batch_prompts=n)
+    calls = plumbing.Sizes(micro_batch_size=0, gen_batch_prompts=n)  # prompts per generate call, halved out of memory
     was_training = model.training
     model.eval()
     chunks, start = [], 0
     bar = tqdm(total=len(prompts), desc="generate", leave=False, disable=not progress)
 
-    def next_chunk():  # the next sizes.gen_batch_prompts prompts' groups, in one generate call
-        todo = prompts[start:start + sizes.gen_batch_prompts]
-        return generate_groups(model, tokenizer, todo, group_size, gen_cfg, eos, pad, lv), len(todo)
+    def next_chunk():  # the next calls.gen_batch_prompts prompts' groups, in one generate call
+        todo = prompts[start:start + calls.gen_batch_prompts]
+        return generate_groups(model, tokenizer, todo, group_size, gen_cfg, eos, pad, speed), len(todo)
     while start < len(prompts):
-        chunk, done = plumbing.retry_smaller(None, sizes, "generate", None, next_chunk, size="gen_batch_prompts")
+        chunk, done = plumbing.retry_smaller(cfg=None, sizes=calls, what="generate", model=None, fn=next_chunk,
+                                             size="gen_batch_prompts")
         chunks.append(chunk)
         bar.update(done)
         start += done
     bar.close()
     model.train(was_training)
+    if sizes is not None and calls.gen_batch_prompts < n:  # the run's sizes keep the halving
+        sizes.gen_batch_prompts = calls.gen_batch_prompts
     Lp, T = max(c[0].shape[1] for c in chunks), max(c[2].shape[1] for c in chunks)
     return {  # pad every chunk to common widths: prompts on the left, responses on the right
         "prompt_ids": torch.cat([F.pad(c[0], (Lp - c[0].shape[1], 0), value=pad) for c in chunks]),
@@ -514,21 +517,22 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
     }
 
 
-def greedy_accuracy(model, tokenizer, problems, max_new_tokens, batch_prompts=32, lv=levers.Levers(),
-                    verifier=None):
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens, batch_prompts=32, speed=levers.Levers(),
+                    verifier_pool=None):
     """The held-out accuracy (float64, as np.mean): one greedy response per problem, verified (reward_fn)."""
     prompts = [plumbing.build_prompt(tokenizer, p["problem"]) for p in problems]
     roll = sample(model, tokenizer, prompts, 1, max_new_tokens, greedy=True, batch_prompts=batch_prompts,
-                  progress=True, lv=lv)
+                  progress=True, speed=speed)
     texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
-    return levers.verify_beside(reward_fn, texts, [p["answer"] for p in problems], verifier)().double().mean().item()
+    answers = [p["answer"] for p in problems]
+    return levers.verify_beside(reward_fn, texts, answers, verifier_pool)().double().mean().item()  # as in phase 2
 
 
-def reward_fn(responses, answers, verifier=None):
+def reward_fn(responses, answers, verifier_pool=None):
     """R in {0, 1} (N,): the rule-based verifier's verdict on each response (verify.py); over --verify-workers'
-    processes (verifier, a levers.VerifierPool) where it takes them: the same verdicts, verify is a pure function."""
-    if verifier is not None and verifier.takes(len(responses)):
-        return torch.tensor([float(v) for v in verifier.map(verify, responses, answers)])
+    processes (a levers.VerifierPool) where the pool takes them: the same verdicts, verify is a pure function."""
+    if verifier_pool is not None and verifier_pool.takes(len(responses)):
+        return torch.tensor([float(v) for v in verifier_pool.map(verify, responses, answers)])
     return torch.tensor([float(verify(r, a)) for r, a in zip(responses, answers)])
 
 
@@ -550,14 +554,15 @@ def token_logprobs(lm_head, hidden, targets, temperature, with_entropy=False):  
         return logprobs, log_z - (torch.softmax(logits, -1) * logits).sum(-1)  # H = log Z - E_p[logit]
 
 
-def head_logprobs(lm_head, hidden, targets, temperature, with_entropy=False, chunk=plumbing.LOGITS_CHUNK, head=None):
+def head_logprobs(lm_head, hidden, targets, temperature, with_entropy=False, chunk=plumbing.LOGITS_CHUNK,
+                  compiled=None):
     """token_logprobs over `chunk` tokens at a time, recomputed in backward (checkpoint) when grad is on: (n,), and
-    the entropy (n,) or None. hidden (n, H), targets (n,). head: --compile-head's compiled token_logprobs (levers)."""
+    the entropy (n,) or None. hidden (n, H), targets (n,). compiled: --compile-head's token_logprobs (levers)."""
     logprobs, entropy = [], []
     for s in range(0, len(targets), chunk):
         h, tg = hidden[s:s + chunk], targets[s:s + chunk]
-        if head is not None:  # --compile-head: always with grad, then detached (levers.compiled_head_logprobs)
-            lp, ent = levers.compiled_head_logprobs(head, lm_head, h, tg, temperature)
+        if compiled is not None:  # --compile-head: always with grad, then detached
+            lp, ent = levers.compiled_head_logprobs(compiled, lm_head, h, tg, temperature)
         elif torch.is_grad_enabled():  # a chunk's logits recomputed in backward, never kept
             lp, ent = checkpoint(token_logprobs, lm_head, h, tg, temperature, with_entropy, use_reentrant=False)
         else:
@@ -619,39 +624,33 @@ def response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask,
     return hidden, response_mask[:, :T].bool()
 
 
-def scatter_response(values, keep, width):
-    """(b, width) float32: the n values back at the real response tokens `keep` (b, T), zeros elsewhere;
-    differentiable in the values."""
-    zeros = torch.zeros((keep.shape[0], width), dtype=torch.float32, device=keep.device)
-    return zeros.masked_scatter(F.pad(keep, (0, width - keep.shape[1])), values) if len(values) else zeros
-
-
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0,
                       with_entropy=False, group_size=1, chunk=plumbing.LOGITS_CHUNK, shared_prompt=True,
-                      mask_right_padding=True, head=None):
+                      mask_right_padding=True, compiled_head=None):
     """Per-token log pi(response | prompt) (b, T) from temperature-scaled logits, and optionally the entropy (b, T);
     0 where response_mask is 0. The LM head and fp32 log-softmax run over `chunk` tokens at a time, recomputed in
-    backward: a micro-batch's logits (b x T x 151,936 for Qwen) and their gradient never exist in full. head:
-    --compile-head's (head_logprobs)."""
+    backward: a micro-batch's logits (b x T x 151,936 for Qwen) and their gradient never exist in full.
+    compiled_head: --compile-head's (head_logprobs)."""
     hidden, keep = response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
                                    shared_prompt, mask_right_padding)
     # only the n real response tokens go through the LM head: padding after the first EOS costs nothing
     hidden, targets = hidden[keep], response_ids[:, :keep.shape[1]][keep]  # (n, H), (n,)
     logprobs, entropy = head_logprobs(model.get_output_embeddings(), hidden, targets, temperature, with_entropy,
-                                      chunk, head)  # (n,), (n,) or None
+                                      chunk, compiled_head)  # (n,), (n,) or None
     width = response_ids.shape[1]
-    return (scatter_response(logprobs, keep, width),
-            scatter_response(entropy, keep, width) if with_entropy else None)
+    return (plumbing.scatter_response(logprobs, keep, width),
+            plumbing.scatter_response(entropy, keep, width) if with_entropy else None)
 
 
 def step_logprobs(cfg, model, roll, rows, sizes=None, with_entropy=False):
     """response_logprobs of the rollout's rows on the step's route (plumbing.step_route: the plan's); on CUDA under
     the pinned attention kernels (plumbing.pin_attention), and checked finite."""
     device_type = roll["prompt_ids"].device.type
-    head = levers.compiled_head(token_logprobs, device_type) if cfg.compile_head else None  # --compile-head
+    compiled_head = levers.compiled_head(token_logprobs, device_type) if cfg.compile_head else None
     with plumbing.pin_attention(device_type):
         lp, ent = response_logprobs(model, *plumbing.rollout_rows(roll, rows), cfg.temperature,
-                                    with_entropy=with_entropy, head=head, **plumbing.step_route(cfg, rows, sizes))
+                                    with_entropy=with_entropy, compiled_head=compiled_head,
+                                    **plumbing.step_route(cfg, rows, sizes))
     plumbing.check_finite(lp, f"log-probs of rows {rows.start}..{rows.stop - 1}", roll["prompt_mask"][rows])
     return lp, ent
 
@@ -660,24 +659,24 @@ def step_logprobs(cfg, model, roll, rows, sizes=None, with_entropy=False):
 # One training step: sample, verify, pi_old log-probs, M updates, metrics (README: PACS in ten lines)
 # =====================================================================================================
 def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model=None, critic=None,
-               critic_optimizer=None, ref_model=None, sizes=None, verifier=None):
+               critic_optimizer=None, ref_model=None, sizes=None, verifier_pool=None):
     """One step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: generate()'s weights (bf16
     on CUDA; default: model). critic, critic_optimizer: PPO's value model and its AdamW. ref_model: PACS's frozen
     pi_ref between resets (None: pi_old). sizes: the batch sizes (a plumbing.Sizes, halved by OOM retries; default:
-    cfg's). verifier: --verify-workers' processes (a levers.VerifierPool; None: this process)."""
+    cfg's). verifier_pool: --verify-workers' processes (a levers.VerifierPool; None: this process)."""
     G, M, sizes = cfg.group_size, cfg.num_mini_batches, sizes or plumbing.Sizes.typed(cfg)
     t0 = time.time()
     batch = [problems[i] for i in plumbing.batch_indices(step, len(problems), cfg.prompts_per_step, cfg.seed)]
     prompts = [plumbing.build_prompt(tokenizer, p["problem"]) for p in batch]
     # ---- 1. sample: G responses per prompt from pi_old (PACS in ten lines: 1) ---------------------------
     roll = sample(rollout_model or model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                  batch_prompts=sizes.gen_batch_prompts, sizes=sizes, lv=levers.on_device(cfg, device.type))
+                  batch_prompts=sizes.gen_batch_prompts, sizes=sizes, speed=levers.on_device(cfg, device.type))
     roll = {k: v.to(device) for k, v in roll.items()}
     t_gen = time.time()
     # ---- 2. verify: R in {0, 1} per response (ten lines: 2); with verifier processes, beside phase 3 ------
     texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
     answers = [p["answer"] for p in batch for _ in range(G)]
-    verdicts = levers.verify_beside(reward_fn, texts, answers, verifier)  # rewards = verdicts()
+    verdicts = levers.verify_beside(reward_fn, texts, answers, verifier_pool)  # rewards = verdicts()
     mask = roll["response_mask"].float()  # (B, T)
     B, rows = len(texts), plumbing.rows_per_mini_batch(cfg)
     t_verify = time.time()
@@ -856,10 +855,9 @@ def rollout_values(cfg, critic, roll, sizes, device):
 def value_model_step(cfg, critic, critic_optimizer, roll, ppo, mini, device, sizes, what):
     """The value model's optimizer step on the rows `mini`, after the actor's (whose gradients optimizer_update has
     freed: one model's at a time). Returns ((value loss, clipped tokens), grad norm, applied)."""
-    mask = roll["response_mask"].float()
     critic.train()
     out = plumbing.retry_smaller(cfg, sizes, what, critic, accumulate_critic, cfg, critic, roll, ppo["values"],
-                                 ppo["returns"], mask, mini, device, sizes)
+                                 ppo["returns"], roll["response_mask"].float(), mini, device, sizes)
     norm, applied = optimizer_update(cfg, critic, critic_optimizer, what)
     critic.eval()
     return out, norm, applied
@@ -891,7 +889,7 @@ def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask
                                    shared_prompt, mask_right_padding)
     with torch.autocast(hidden.device.type, enabled=False):
         values = critic.score(hidden[keep].float()).squeeze(-1)  # (n,)
-    return scatter_response(values, keep, response_ids.shape[1])
+    return plumbing.scatter_response(values, keep, response_ids.shape[1])
 
 
 def step_values(cfg, critic, roll, rows, sizes=None):
@@ -935,12 +933,12 @@ def train(cfg):
     if cfg.plan_only:  # the plan needs the architecture only: config.json, no weights, no device
         model_config = plumbing.load_model_config(cfg.model)
         return plumbing.plan_memory(cfg, model_config, plumbing.count_parameters(model_config), device.type)
-    lv = levers.on_device(cfg, device.type)
-    with levers.VerifierPool(lv.verify_workers) as verifier:  # --verify-workers: forked before the model loads
-        return train_loop(cfg, device, lv, verifier)
+    speed = levers.on_device(cfg, device.type)
+    with levers.VerifierPool(speed.verify_workers) as verifier_pool:  # forked before the model loads
+        return train_loop(cfg, device, speed, verifier_pool)
 
 
-def train_loop(cfg, device, lv, verifier):
+def train_loop(cfg, device, speed, verifier_pool):
     """train's loop: load (or resume), then train_step after train_step, each logged, checkpointed now and then."""
     os.makedirs(cfg.out_dir, exist_ok=True)
     resume_from = plumbing.resume_point(cfg)  # --resume: the latest checkpoint in --out-dir
@@ -963,14 +961,16 @@ def train_loop(cfg, device, lv, verifier):
     for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True):
         ref_is_old = reset_reference(cfg, step, model, ref_model, optimizer)
         metrics, examples = train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model,
-                                       critic, critic_optimizer, None if ref_is_old else ref_model, sizes, verifier)
+                                       critic, critic_optimizer, None if ref_is_old else ref_model, sizes,
+                                       verifier_pool)
         t0 = time.time()
         if rollout_model is not model:
             plumbing.copy_weights(rollout_model, model)
         last = step == cfg.steps - 1
         if eval_problems and (step % cfg.eval_every == 0 or last):
+            batch_prompts = plumbing.eval_batch_prompts(cfg, sizes, device)
             metrics["eval_acc"] = greedy_accuracy(rollout_model, tokenizer, eval_problems, cfg.max_new_tokens,
-                                                  plumbing.eval_batch_prompts(cfg, sizes, device), lv, verifier)
+                                                  batch_prompts, speed, verifier_pool)
         # outside the step: the held-out eval (with the copy's refresh), and the checkpoint written after the last step
         metrics.update(time_eval=time.time() - t0 if "eval_acc" in metrics else 0.0, time_save=time_save)
         time_save = 0.0

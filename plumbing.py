@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 import levers
@@ -444,40 +445,53 @@ def rollout_torch_dtype(cfg, device_type):
 def setup_model(cfg, path, device):
     """(model, rollout_model, tokenizer, sizes): the fp32 model to train, the copy generate() runs on, and the run's
     batch sizes from the memory plan, printed (its --micro-batch-size / --gen-batch-prompts where they are 0)."""
-    lv = levers.on_device(cfg, device.type)
+    speed = levers.on_device(cfg, device.type)
     if device.type == "cuda":
         set_cuda_kernels()
     if cfg.defer_stop_check and device.type != "cuda":
         print("[generate] --defer-stop-check acts on CUDA; on the CPU generate has no device to wait for",
               file=sys.stderr)
-    try:
-        if lv.defer_stop:
-            levers.check_defer_stop()
-        # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA
-        model, tokenizer = load_model(path, device, torch.float32)
-        if cfg.gradient_checkpointing:
-            model.activation_checkpointing_enable()
-        model.eval()
-        sizes, _ = plan_memory(cfg, model.config, sum(p.numel() for p in model.parameters()), device.type)
-        # generate() runs on a copy in the rollout dtype (bf16 on CUDA: bf16 matmuls and a bf16 KV cache),
-        # refreshed from the fp32 weights after every step; old_logprobs still come from the training model
-        rollout_model = model
-        if lv.rollout_dtype != torch.float32:
-            rollout_model = rollout_copy(model, lv.rollout_dtype).eval()
-        if lv.compile_layers:  # the training model's layers (the rollout copy's stay eager: its decode step compiles)
-            levers.compile_layers(model, device)
-            route = step_route(cfg, slice(0, sizes.micro_batch_size), sizes)  # response_hidden's: a cache if shared
-            if route["shared_prompt"] and route["group_size"] > 1:
-                print("[compile] --compile-layers acts on full rows' forwards; the plan shares each group's prompt "
-                      "(its KV cache: eager), so the layers run eager: add --full-rows on", file=sys.stderr)
-    except ValueError as e:  # a lever's setting this model or release cannot take
-        raise ConfigError(str(e)) from None
+    if speed.defer_stop:
+        set_up_lever(levers.check_defer_stop)
+    # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA
+    model, tokenizer = load_model(path, device, torch.float32)
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable()
+    model.eval()
+    sizes, _ = plan_memory(cfg, model.config, sum(p.numel() for p in model.parameters()), device.type)
+    # generate() runs on a copy in the rollout dtype (bf16 on CUDA: bf16 matmuls and a bf16 KV cache),
+    # refreshed from the fp32 weights after every step; old_logprobs still come from the training model
+    rollout_model = model
+    if speed.rollout_dtype != torch.float32:
+        rollout_model = rollout_copy(model, speed.rollout_dtype).eval()
+    if speed.compile_layers:  # the training model's layers (the rollout copy's stay eager: its decode step compiles)
+        set_up_lever(levers.compile_layers, model, device)
+        route = step_route(cfg, slice(0, sizes.micro_batch_size), sizes)  # response_hidden's: a cache if shared
+        if route["shared_prompt"] and route["group_size"] > 1:
+            print("[compile] --compile-layers acts on full rows' forwards; the plan shares each group's prompt (its "
+                  "KV cache: eager), so the layers run eager: add --full-rows on", file=sys.stderr)
     return model, rollout_model, tokenizer, sizes
+
+
+def set_up_lever(fn, *args):
+    """fn(*args), a lever's setup: its plain ValueError (a setting this model or release cannot take) becomes the
+    run's one-line ConfigError."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # =====================================================================================================
 # Batch sizes: the schedule's rows, the run's sizes, the log-prob route, out-of-memory retries
 # =====================================================================================================
+
+
+def scatter_response(values, keep, width):
+    """(b, width) float32: the n values of a log-prob forward (or of PPO's value head) back at the real response
+    tokens `keep` (b, T), zeros elsewhere; differentiable in the values."""
+    zeros = torch.zeros((keep.shape[0], width), dtype=torch.float32, device=keep.device)
+    return zeros.masked_scatter(F.pad(keep, (0, width - keep.shape[1])), values) if len(values) else zeros
 
 
 def rollout_rows(roll, sl):
@@ -548,10 +562,10 @@ def eval_batch_prompts(cfg, sizes, device):
     return sizes.gen_batch_prompts * (cfg.group_size if device.type == "cuda" else 1)
 
 
-# A size that out of memory halves: what the run's error then suggests, and the line that says the halving
-OOM_RETRY = {"micro_batch_size": ("lower --max-new-tokens or use --gradient-checkpointing",
-                                  "--micro-batch-size {} -> {}"),
-             "gen_batch_prompts": ("lower --max-new-tokens or --group-size",
+# A size that out of memory halves: the run's error where it cannot (now, error), and the line that says a halving
+OOM_RETRY = {"micro_batch_size": ("with --micro-batch-size {0}: lower --max-new-tokens or use "
+                                  "--gradient-checkpointing ({1})", "--micro-batch-size {} -> {}"),
+             "gen_batch_prompts": ("generating one prompt's responses: lower --max-new-tokens or --group-size ({1})",
                                    "{1} prompts per generate call from now on")}
 
 
@@ -566,15 +580,15 @@ def retry_smaller(cfg, sizes, what, model, fn, *args, size="micro_batch_size"):
         try:
             return fn(*args)
         except torch.OutOfMemoryError as e:
-            error = str(e).splitlines()[0]
+            error = (str(e).splitlines() or [type(e).__name__])[0]
         if model is not None:
             model.zero_grad(set_to_none=True)  # the partial gradients go before the cache is emptied
         now = getattr(sizes, size)
         allowed = valid_micro_batch_sizes(cfg) if size == "micro_batch_size" else range(1, now)
         smaller = [s for s in allowed if s <= now // 2]
-        hint, said = OOM_RETRY[size]
+        fails, said = OOM_RETRY[size]
         if not smaller:
-            raise ConfigError(f"out of memory in {what} with --{size.replace('_', '-')} {now}: {hint} ({error})")
+            raise ConfigError(f"out of memory in {what} " + fails.format(now, error))
         tqdm.write(f"[memory] out of memory in {what}: " + said.format(now, smaller[-1]))
         setattr(sizes, size, smaller[-1])
         if torch.cuda.is_available():
@@ -759,16 +773,16 @@ def plan_memory(cfg, model_config, n_params, device_type):
     total = device_memory(device_type, cfg.memory_gib)
     budget = plan_budget(device_type, total)
     P, G = cfg.prompts_per_step, cfg.group_size
-    sizes, lv = Sizes.typed(cfg), levers.on_device(cfg, device_type)
+    sizes, speed = Sizes.typed(cfg), levers.on_device(cfg, device_type)
     plan = lambda mb, gb, full=None: memory_plan(cfg, model_config, n_params, device_type, mb, gb,
                                                  sizes.full_rows if full is None else full)
     # --full-rows auto: full rows on CUDA for micro-batches of whole groups where they fit (faster on an H200)
-    auto_full = lambda mb: (lv.full_rows is None and mb % G == 0 and plan(mb, 1, True)["peak: update"] <= budget)
+    auto_full = lambda mb: (speed.full_rows is None and mb % G == 0 and plan(mb, 1, True)["peak: update"] <= budget)
     if sizes.gen_batch_prompts == 0:
         fits = [d for d in range(1, P + 1) if P % d == 0 and plan(1, d)["peak: generate"] <= budget]
         sizes.gen_batch_prompts = fits[-1] if fits else 1
     if sizes.micro_batch_size == 0:  # whole groups when they fit (fastest), else a group split in rows
-        most = rows_per_mini_batch(cfg) if lv.pack_groups else G  # several groups per micro-batch
+        most = rows_per_mini_batch(cfg) if speed.pack_groups else G  # several groups per micro-batch
         fits = [s for s in valid_micro_batch_sizes(cfg) if s <= most and (plan(s, 1)["peak: update"] <= budget
                                                                            or auto_full(s))]
         sizes.micro_batch_size = fits[-1] if fits else 1
@@ -842,9 +856,6 @@ def count_parameters(model_config):
 # =====================================================================================================
 # Checkpoints: HF format + optimizer/RNG/step, written to a temp dir then renamed
 # =====================================================================================================
-
-
-# ---- checkpoints: HF format + optimizer/RNG/step, written to a temp dir then renamed ----------------
 def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_optimizer=None, ref_model=None,
                     sizes=None):
     """OUT/checkpoint-NNNNNN: the model and tokenizer (HF format), PPO's value model in critic/, and

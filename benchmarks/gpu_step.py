@@ -254,7 +254,7 @@ def time_generate(args, cfg, sample, rollout_model, tokenizer, problems, sizes, 
             torch.cuda.synchronize()
         t0 = time.time()
         forced(rollout_model, tokenizer, batch, cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-               batch_prompts=sizes.gen_batch_prompts, lv=levers.on_device(cfg, device.type))
+               batch_prompts=sizes.gen_batch_prompts, speed=levers.on_device(cfg, device.type))
         seconds = time.time() - t0
         calls.append({"seconds": seconds, "ms_per_token": 1e3 * seconds / cfg.max_new_tokens,
                       "rows": cfg.prompts_per_step * cfg.group_size})
@@ -395,7 +395,7 @@ def main():
         t0 = time.time()
         batch = [plumbing.build_prompt(tokenizer, p["problem"]) for p in problems[:sizes.gen_batch_prompts or None]]
         sample(rollout_model, tokenizer, batch, cfg.group_size, 4, batch_prompts=sizes.gen_batch_prompts,
-               lv=levers.on_device(cfg, device.type))
+               speed=levers.on_device(cfg, device.type))
         result["compile_s"] = time.time() - t0
         print(f"static cache: the decode step compiled (a 4-token generate call) in {result['compile_s']:.1f} s")
     if cfg.compile_layers or cfg.compile_head:  # their graphs too, first and apart (they are dynamic in the shape)
@@ -411,7 +411,7 @@ def main():
         reset_peak(device)
         try:
             metrics, _ = pacs.train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model,
-                                         ref_model=ref_model, sizes=sizes, verifier=verifier)
+                                         ref_model=ref_model, sizes=sizes, verifier_pool=verifier)
         except plumbing.ConfigError as e:  # a non-finite log-prob, or out of memory at the smallest sizes
             fail(f"step {step}: {e}", args.json, {**result, "steps": rows})
         if "prof" in profiler:

@@ -45,10 +45,10 @@ def sampler_logprobs(sampler, tokenizer, prompts, args):
     real response tokens, in row-major order (temperature 1, top-p 1: nothing processes the logits)."""
     recorded, real = [], pacs.generate_exactly
 
-    def recording(model, generation_config, **inputs):
+    def recording(model, generation_config, *speed, **inputs):
         generation_config = copy.deepcopy(generation_config)
         generation_config.output_logits = generation_config.return_dict_in_generate = True
-        out = real(model, generation_config, **inputs)
+        out = real(model, generation_config, *speed, **inputs)
         recorded.append(torch.stack(out.logits, 1))  # (rows, T, V) in the sampler's dtype
         return out.sequences
 

@@ -85,7 +85,7 @@ def run_form(cfg, model, roll, micro, grad, part, device):
                 hidden = torch.randn(n, model.config.hidden_size, device=device, requires_grad=grad)
                 targets = roll["response_ids"][sl].flatten()
                 head = levers.compiled_head(pacs.token_logprobs, device.type) if part == "headc" else None
-                out = pacs.head_logprobs(model.get_output_embeddings(), hidden, targets, 1.0, head=head)[0].sum()
+                out = pacs.head_logprobs(model.get_output_embeddings(), hidden, targets, 1.0, compiled=head)[0].sum()
         if grad:
             out.backward()
     if grad:
@@ -155,7 +155,7 @@ def profile_decode(args, cfg, rollout_model, tokenizer, device, rows, static, re
     forced = gpu_step.sample_full_length(pacs.sample, device, args.decode_tokens, {})
     cache = args.max_prompt_tokens + args.max_new_tokens if static else 0
     call = lambda: forced(rollout_model, tokenizer, texts, args.group_size, args.decode_tokens,  # noqa: E731
-                          batch_prompts=len(texts), lv=levers.Levers(cache_tokens=cache))
+                          batch_prompts=len(texts), speed=levers.Levers(cache_tokens=cache))
     key = f"decode_{'static' if static else 'dynamic'}_{rows}x{args.decode_tokens}"
     t0 = time.time()
     call()

@@ -304,8 +304,8 @@ def test_a_resume_continues_at_the_sizes_an_out_of_memory_retry_halved(digit_mod
     # the resumed process has the memory to try 4 again, but an uninterrupted run never would: it continues at 2
     calls = []
     real_gen = pacs.generate_exactly
-    monkeypatch.setattr(pacs, "generate_exactly", lambda model, config, *lv, **inputs: calls.append(
-        inputs["input_ids"].shape[0] // 4) or real_gen(model, config, *lv, **inputs))  # prompts per generate call
+    monkeypatch.setattr(pacs, "generate_exactly", lambda model, config, *speed, **inputs: calls.append(
+        inputs["input_ids"].shape[0] // 4) or real_gen(model, config, *speed, **inputs))  # prompts per generate call
     resumed = run(digit_model, tmp_path / "part", "--steps", "3", "--resume")
     assert resumed[2]["micro_batch_size"] == 2 and calls == [2, 2]
     timing = ("time_generate", "time_verify", "time_old_logprobs", "time_update", "time_eval", "time_save",
@@ -471,3 +471,19 @@ def test_the_gpu_check_rehearses_on_the_cpu_with_its_own_folders(tmp_path):
                 r"the opt-in levers together: speed-up over the defaults \(same card, same call\) +\| step x\d"):
         assert re.search(r"\| " + row, summary), row
     assert "FAIL" not in summary and "no result" not in summary
+
+
+def test_rollout_kl_records_the_samplers_and_the_trainers_log_probs(tiny_model_dir):
+    """benchmarks/rollout_kl.py swaps pacs.generate_exactly and pacs.token_logprobs for recorders of the logits: they
+    take the run's calls as they are made (generate_groups passes the speed levers), and in fp32, with no autocast,
+    the sampler's and the trainer's log-probs of the same tokens agree."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import rollout_kl
+    model, tok = plumbing.load_model(tiny_model_dir)
+    args = types.SimpleNamespace(group_size=2, max_new_tokens=4)
+    prompts = [plumbing.build_prompt(tok, "1 + 6 ="), plumbing.build_prompt(tok, "12 + 3 =")]
+    torch.manual_seed(0)
+    roll, sampler = rollout_kl.sampler_logprobs(model, tok, prompts, args)  # (n, V)
+    trainer = rollout_kl.trainer_logprobs(model, roll, args, autocast="off")  # (n, V)
+    assert sampler.shape == trainer.shape and sampler.shape[0] == int(roll["response_mask"].sum())
+    torch.testing.assert_close(trainer, sampler, rtol=1e-4, atol=1e-4)

@@ -43,7 +43,7 @@ def test_static_cache_samples_what_the_dynamic_cache_samples(digit_model, group_
     for cache_tokens in (0, 80):
         torch.manual_seed(0)
         rolls.append(pacs.sample(model, tok, prompts, group_size, 12, 1.5, greedy=greedy,
-                                 lv=levers.Levers(cache_tokens=cache_tokens)))
+                                 speed=levers.Levers(cache_tokens=cache_tokens)))
     for key in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "truncated"):
         assert torch.equal(rolls[0][key], rolls[1][key]), key
 
@@ -54,7 +54,7 @@ def test_static_cache_samples_the_models_distribution(digit_model):
     model, tok = plumbing.load_model(digit_model)
     prompt = plumbing.build_prompt(tok, "12 + 3 =")
     torch.manual_seed(1)
-    roll = pacs.sample(model, tok, [prompt], 4000, 1, 1.0, batch_prompts=1, lv=levers.Levers(cache_tokens=40))
+    roll = pacs.sample(model, tok, [prompt], 4000, 1, 1.0, batch_prompts=1, speed=levers.Levers(cache_tokens=40))
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         p = torch.softmax(model(input_ids=ids).logits[0, -1].double(), -1)
@@ -176,14 +176,14 @@ def test_flex_static_cache_samples_what_the_dynamic_cache_samples(digit_model, m
     monkeypatch.setattr(levers, "flex_decode_attention", lambda q, k, *a: lengths.append(k.shape[2]) or flex(q, k, *a))
     monkeypatch.setattr(levers, "static_cache", lambda *a: static_cache(*a))
     torch.manual_seed(0)
-    blocks = pacs.sample(model, tok, prompts, 4, 12, 1.5, lv=levers.Levers(cache_tokens=80, flex=True))
+    blocks = pacs.sample(model, tok, prompts, 4, 12, 1.5, speed=levers.Levers(cache_tokens=80, flex=True))
     for key in dynamic:
         assert torch.equal(dynamic[key], blocks[key]), key
     assert lengths and set(lengths) == {levers.FLEX_BLOCK}
-    lv = levers.on_device(pacs.parse_args(["--static-cache", "flex", "--device", "cpu"]), "cpu")
-    assert lv.cache_tokens == 1536 and lv.flex
-    lv = levers.on_device(pacs.parse_args(["--device", "cpu"]), "cuda")
-    assert lv.cache_tokens == 1536 and not lv.flex
+    speed = levers.on_device(pacs.parse_args(["--static-cache", "flex", "--device", "cpu"]), "cpu")
+    assert speed.cache_tokens == 1536 and speed.flex
+    speed = levers.on_device(pacs.parse_args(["--device", "cpu"]), "cuda")
+    assert speed.cache_tokens == 1536 and not speed.flex
 
 
 def test_static_cache_decodes_with_folded_heads(digit_model, monkeypatch):
@@ -197,14 +197,14 @@ def test_static_cache_decodes_with_folded_heads(digit_model, monkeypatch):
         (tuple(q.shape), k.shape[1])) or sdpa(q, k, *a, **kw))
     monkeypatch.setattr(model, "generate", lambda *a, **k: names.append(model.config._attn_implementation)
                         or generate(*a, **k))
-    pacs.sample(model, tok, prompts, 4, 6, lv=levers.Levers(cache_tokens=80))
+    pacs.sample(model, tok, prompts, 4, 6, speed=levers.Levers(cache_tokens=80))
     pacs.sample(model, tok, prompts, 4, 6)
     assert names == [levers.FOLDED_GQA, "sdpa"] and model.config._attn_implementation == "sdpa"
     decode = [s for s in shapes if s[0][0] == 8]  # 2 prompts x 4 rows: the prefill ran on one row a prompt
     assert decode and all(q == (8, 2, 2, 16) and kv_heads == 2 for q, kv_heads in decode), set(shapes)
     monkeypatch.setattr(model, "generate", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        pacs.sample(model, tok, prompts, 4, 6, lv=levers.Levers(cache_tokens=80))
+        pacs.sample(model, tok, prompts, 4, 6, speed=levers.Levers(cache_tokens=80))
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -219,7 +219,7 @@ def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_mode
     from transformers import CompileConfig
     if attention == "flex" and compiled_flex_skip():
         pytest.skip(compiled_flex_skip())
-    lv = levers.Levers(cache_tokens=80, flex=attention == "flex")
+    speed = levers.Levers(cache_tokens=80, flex=attention == "flex")
     torch._dynamo.reset()  # a decode step compiled earlier in this process at another cache length would make that
     # length dynamic here, which inductor's flex_attention on the CPU does not take (a run keeps one length)
     model, tok = plumbing.load_model(digit_model)
@@ -238,7 +238,7 @@ def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_mode
     traced, flex = [], levers.flex_decode_attention
     monkeypatch.setattr(levers, "flex_decode_attention", lambda *a: traced.append(a[1].shape) or flex(*a))
     torch.manual_seed(0)
-    compiled = pacs.sample(model, tok, prompts, 4, 12, 1.5, lv=lv)
+    compiled = pacs.sample(model, tok, prompts, 4, 12, 1.5, speed=speed)
     for key in dynamic:
         assert torch.equal(dynamic[key], compiled[key]), key
     assert bool(traced) == (attention == "flex")  # traced into the compiled decode step (flex), or never called
@@ -249,9 +249,9 @@ def test_compiled_static_cache_samples_what_the_dynamic_cache_samples(digit_mode
     # its limit sends the step to eager)
     monkeypatch.setattr(levers, "flex_decode_attention", flex)
     torch._dynamo.reset()
-    pacs.sample(model, tok, prompts, 4, 12, 1.5, lv=lv)
+    pacs.sample(model, tok, prompts, 4, 12, 1.5, speed=speed)
     torch.manual_seed(1)
-    compiled = pacs.sample(model, tok, prompts[:1], 4, 12, 1.5, lv=lv)
+    compiled = pacs.sample(model, tok, prompts[:1], 4, 12, 1.5, speed=speed)
     monkeypatch.setattr(pacs, "rollout_generation_config", config)
     torch.manual_seed(1)
     dynamic = pacs.sample(model, tok, prompts[:1], 4, 12, 1.5)
@@ -281,12 +281,12 @@ def test_gumbel_sampler_samples_what_transformers_samples(digit_model, monkeypat
     draws = []
     for _ in range(2):
         torch.manual_seed(1)
-        draws.append(pacs.sample(model, tok, [prompt], 4000, 1, temperature, top_p, batch_prompts=1, lv=gumbel))
+        draws.append(pacs.sample(model, tok, [prompt], 4000, 1, temperature, top_p, batch_prompts=1, speed=gumbel))
     first = draws[0]["response_ids"][:, 0]  # (4000,)
     assert (p[first] > 0).all() and (p > 0).sum() <= len(p) - 4 * (top_p < 1.0)  # the nucleus, a cut that bites
     assert chi_squared_pvalue(first, p) > 1e-3
     assert torch.equal(draws[0]["response_ids"], draws[1]["response_ids"])
-    again = pacs.sample(model, tok, [prompt, "1 + 6 ="], 1, 8, greedy=True, lv=gumbel)
+    again = pacs.sample(model, tok, [prompt, "1 + 6 ="], 1, 8, greedy=True, speed=gumbel)
     for key in greedy:
         assert torch.equal(greedy[key], again[key]), key
     config = pacs.rollout_generation_config(4, top_p=top_p)
@@ -324,13 +324,13 @@ def test_deferred_stop_check_gives_the_tokens_of_the_check_each_step(digit_model
     model, tok = plumbing.load_model(digit_model)
     prompts = [plumbing.build_prompt(tok, "1 + 6 =")]
     torch.manual_seed(3)
-    plain = pacs.sample(model, tok, prompts, 2, 40, lv=levers.Levers(cache_tokens=cache_tokens))
+    plain = pacs.sample(model, tok, prompts, 2, 40, speed=levers.Levers(cache_tokens=cache_tokens))
     assert not plain["truncated"].any()  # every row stops before the limit: the deferred check runs a step too many
     undone = []
     monkeypatch.setattr(torch, "Event", HostEvent)
     monkeypatch.setattr(check, "finish", lambda self: undone.append(finish(self)) or undone[-1])
     torch.manual_seed(3)
-    deferred = pacs.sample(model, tok, prompts, 2, 40, lv=levers.Levers(cache_tokens=cache_tokens, defer_stop=True))
+    deferred = pacs.sample(model, tok, prompts, 2, 40, speed=levers.Levers(cache_tokens=cache_tokens, defer_stop=True))
     assert undone == [1]  # deferred, and the extra step undone
     for key in plain:
         assert torch.equal(plain[key], deferred[key]), key
@@ -385,7 +385,7 @@ def test_compiled_head_gives_the_eager_log_probs_and_psi_exactly_zero_at_lr_0(di
     for compiled in (None, torch.compile(pacs.token_logprobs)):
         lp, ent = pacs.response_logprobs(model, roll["prompt_ids"], roll["prompt_mask"], roll["response_ids"],
                                          roll["response_mask"], 1.5, with_entropy=True, group_size=4, chunk=4,
-                                         head=compiled)
+                                         compiled_head=compiled)
         lp.sum().backward()
         out.append((lp.detach(), ent, [p.grad.clone() for p in model.parameters()]))
         model.zero_grad(set_to_none=True)
@@ -602,7 +602,7 @@ def test_verifier_processes_work_beside_phase_3_and_leave_the_step_unchanged(dig
         model, tok = plumbing.load_model(digit_model)
         torch.manual_seed(0)
         optimizer = pacs.make_optimizer(cfg, model)
-        metrics, _ = pacs.train_step(cfg, model, tok, optimizer, problems, 0, torch.device("cpu"), verifier=pool)
+        metrics, _ = pacs.train_step(cfg, model, tok, optimizer, problems, 0, torch.device("cpu"), verifier_pool=pool)
         runs.append((metrics, [p.detach().clone() for p in model.parameters()]))
     assert waited == [True]  # the pool's verdicts waited for the end of phase 3, and got it
     (serial, weights), (beside, weights_beside) = runs
