@@ -364,14 +364,12 @@ def summary_rows(out):
             f"{k} {1e3 * v['fwd_bwd_s']:.0f} ms ({1e3 * v['fwd_s']:.0f})" if "fwd_bwd_s" in v else f"{k} FAIL"
             for k, v in f.items())))
         for lever, fast, slow in (("--compile-layers", "layersc", "full"), ("--compile-head", "headc", "head")):
-            for name, v in f.items():  # the compiled form against the eager one of as many rows
-                kind, micro = name.rsplit("-", 1)
-                eager = f.get(f"{slow}-{micro}", {})
-                if kind == fast and "fwd_bwd_s" in v and "fwd_bwd_s" in eager:
-                    rows.append((f"{lever}: speed-up on one mini-batch ({name} against {slow}-{micro})",
-                                 f"forward + backward x{eager['fwd_bwd_s'] / v['fwd_bwd_s']:.2f}, forward "
-                                 f"x{eager['fwd_s'] / v['fwd_s']:.2f}; compile and first call "
-                                 f"{v['fwd_bwd_first_s']:.0f} s"))
+            for name, eager_name in form_pairs(f, slow, fast):  # the compiled form against the eager one
+                v, eager = f[name], f[eager_name]
+                rows.append((f"{lever}: speed-up on one mini-batch ({name} against {eager_name})",
+                             f"forward + backward x{eager['fwd_bwd_s'] / v['fwd_bwd_s']:.2f}, forward "
+                             f"x{eager['fwd_s'] / v['fwd_s']:.2f}; compile and first call "
+                             f"{v['fwd_bwd_first_s']:.0f} s"))
     for name in ("e2e_train", "e2e_resume", "e2e_eval"):
         line = status.get(name, "did not run")
         rows.append((f"README end to end: {name[4:]}", ("pass: " if line.startswith("exit 0") else "FAIL: ") + line))
@@ -390,6 +388,14 @@ def summary_rows(out):
         top = ", ".join(f"{k['name'][:40]} {100 * k['share']:.0f}%" for k in p.get("kernels", [])[:3])
         rows.append(("profile", f"{phases} | top: {top}"))
     return rows
+
+
+def form_pairs(forms, slow, fast):
+    """[(compiled form, eager form)]: forms.json's forms `fast` timed beside `slow` at as many rows (layersc-32 and
+    full-32), both with a forward + backward."""
+    return [(name, f"{slow}-{name.rsplit('-', 1)[1]}") for name, v in forms.items()
+            if name.rsplit("-", 1)[0] == fast and "fwd_bwd_s" in v
+            and "fwd_bwd_s" in forms.get(f"{slow}-{name.rsplit('-', 1)[1]}", {})]
 
 
 TARGETS = {"step": 2.5, "update_share": 0.30, "decode_ms": 10.0, "small_card": 2.0}  # docs/gpu-check.md's
@@ -413,10 +419,9 @@ def lever_rows(steps, attn, forms):
     ran = {k: v for k, v in steps.items() if v and "error" not in v}
     a = attn.get("forms", {}) if attn and "error" not in attn else {}
     f = forms.get("forms", {}) if forms and "error" not in forms else {}
-    def form_pair(slow, fast):  # (eager s, compiled s) of one mini-batch's forward + backward at a size both ran
-        sizes = [k.rsplit("-", 1)[1] for k in f if k.startswith(fast + "-") and f"{slow}-{k.rsplit('-', 1)[1]}" in f]
-        pick = [(f[f"{slow}-{n}"].get("fwd_bwd_s"), f[f"{fast}-{n}"].get("fwd_bwd_s")) for n in sizes]
-        return pick[0] if pick else (None, None)
+    def form_pair(slow, fast):  # (eager s, compiled s) of one mini-batch's forward + backward, the first size timed
+        pairs = form_pairs(f, slow, fast)
+        return (f[pairs[0][1]]["fwd_bwd_s"], f[pairs[0][0]]["fwd_bwd_s"]) if pairs else (None, None)
     pairs = {"--static-cache flex": ("generate", ran.get("step_default", {}).get("generate_s"),
                                      ran.get("step_flex", {}).get("generate_s"), "step_default and step_flex"),
              "--defer-stop-check": ("generate", ran.get("step_default", {}).get("generate_s"),
