@@ -53,7 +53,8 @@ from verify import extract_answer
 
 @dataclass
 class EvalConfig:  # flags parsed by plumbing.parse_flags (HfArgumentParser), as pacs.py's Config
-    model: str = flag("", "hub id, local dir or checkpoint, .gguf file, or 'smollm2'")
+    model: str = flag("", "hub id, local dir or checkpoint (a --lora-rank one: the base it names, with the "
+                      "adapter), .gguf file, or 'smollm2'")
     protocol: Literal["default", "v2"] = flag(
         "default", "the value of --datasets, --n, --k, --temperature, --top-p and --max-new-tokens left "
         "unset: default (math500,amc23,aime24,aime25; n 16; k 1, 2, 4, ... n; T 0.6; top-p 0.95; 1,024 "

@@ -344,10 +344,10 @@ def compile_layers(model, device):
     (regional compilation: a layer's compile, not the whole decoder's), dynamic in rows and length (one row, and a
     mask or none, are graphs of their own). psi = 0 at --lr 0 needs phases 3 and 4 on the same graph: response_hidden
     runs phase 3's forward as phase 4 runs it (as_in_training), and a frozen pi_ref keeps requires_grad (train)."""
-    layers = getattr(model.base_model, "layers", None)
+    decoder = model.get_decoder()  # the decoder stack, of a causal LM or through a PeftModel
+    layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
-        raise ValueError(f"--compile-layers needs a decoder with a list of layers; {type(model.base_model).__name__} "
-                         f"has none")
+        raise ValueError(f"--compile-layers needs a decoder with a list of layers; {type(decoder).__name__} has none")
     if device.type == "cpu":
         scalar_cpu_compile()
     # the layer's own forward: transformers wraps it in its checkpointing (and a keyword's rename), which compiled
@@ -363,7 +363,7 @@ def compile_layers(model, device):
 
     for layer in layers:
         layer.forward = functools.partial(layer_forward, layer, layer.forward)
-    model.base_model.compiled_layers = True
+    decoder.compiled_layers = True
 
 
 def as_in_training(decoder, kwargs):

