@@ -269,6 +269,9 @@ def load_model(name, device="cpu", dtype=torch.float32):
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except (OSError, ValueError) as e:
+        if os.path.isfile(os.path.join(name, "config.json")) and not glob.glob(os.path.join(name, "*.safetensors")):
+            raise ConfigError(f"{name} holds a config and no weights (a plan-only config, models/README.md): "
+                              "--plan-only plans it; to train, pass the model's hub id") from None
         raise ConfigError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
@@ -466,6 +469,8 @@ def setup_model(cfg, path, device):
     # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA.
     # --lora-rank: the frozen base in the rollout dtype (bf16 on CUDA) under an fp32 adapter, from --model (a resumed
     # run's checkpoint holds the adapter alone)
+    model_config = load_model_config(cfg.model if cfg.lora_rank else path)  # the plan, before any weight loads
+    sizes, _ = plan_memory(cfg, model_config, count_parameters(model_config), device.type)
     if cfg.lora_rank:
         model, tokenizer = load_model(cfg.model, device, speed.rollout_dtype)
         model = add_adapter(cfg, model, None if path == cfg.model else path)
@@ -474,8 +479,6 @@ def setup_model(cfg, path, device):
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable()
     model.eval()
-    n_params = sum(p.numel() for p in model.parameters() if not cfg.lora_rank or not p.requires_grad)
-    sizes, _ = plan_memory(cfg, model.config, n_params, device.type)
     # generate() runs on a copy in the rollout dtype (bf16 on CUDA: bf16 matmuls and a bf16 KV cache),
     # refreshed from the fp32 weights after every step; old_logprobs still come from the training model. With an
     # adapter, on the training model itself: its base is in that dtype already, and a merged copy would be a
@@ -794,15 +797,19 @@ def kv_cache_itemsizes(config_class, autocast):
 def activation_bytes_per_token(c, a, checkpointing=False):
     """Bytes autograd keeps for backward per token of a Llama/Qwen2-style decoder, counted op by op from
     transformers' Qwen2 layer with SDPA attention (a = 2: bf16 autocast, 4: fp32). Against torch's own saved
-    tensors at the Qwen2.5-0.5B shape: 122.6 vs 118.5 KB/token/layer in fp32, 76.5 vs 73.9 under autocast."""
+    tensors at the Qwen2.5-0.5B shape: 122.6 vs 118.5 KB/token/layer in fp32, 76.5 vs 73.9 under autocast. Qwen3's
+    layer norms q and k per head, which under autocast leaves them in fp32: 4 (qd + kv) more bytes counted, 10.5 KB
+    measured per token and layer at the Qwen3-4B shape (benchmarks/plan_terms.py's classifier)."""
     H, I, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     qd = c.num_attention_heads * head_dim(c)
+    qk_norm = getattr(c, "model_type", "") == "qwen3" and a == 2
     layer = (16 * H                          # two RMSNorms, in fp32: input and normalised input
              + (3 if a == 2 else 1) * a * H  # q/k/v input (autocast casts it once per projection)
              + 4 * a * qd                    # q, k and v repeated to every head, attention output (SDPA)
              + a * qd                        # o_proj input
              + (2 if a == 2 else 1) * a * H  # gate/up input
-             + 4 * a * I)                    # gate, SiLU, up, their product
+             + 4 * a * I                     # gate, SiLU, up, their product
+             + (4 * (qd + c.num_key_value_heads * head_dim(c)) if qk_norm else 0))  # Qwen3: fp32 q and k
     outside = 16 * H                         # embedding output, final norm, hidden states fed to the LM head
     if checkpointing:  # HF checkpointing keeps each layer's (fp32) input and recomputes one layer at a time
         return L * 4 * H + layer + outside
@@ -943,10 +950,10 @@ def plan_budget(device_type, total):
     return 0.9 * (total - (CUDA_CONTEXT if device_type == "cuda" else 0))
 
 
-def plan_memory(cfg, model_config, n_params, device_type):
+def plan_memory(cfg, model_config, n_params, device_type, quiet=False, hint=True):
     """(sizes, parts): the run's Sizes, --micro-batch-size and --gen-batch-prompts as typed or, where 0 (auto), the
-    largest that fit, and the plan's parts; refuse settings that do not fit with a one-line error naming the flag,
-    and print the plan. cfg is left as typed."""
+    largest that fit, and the plan's parts; refuse settings that do not fit with a one-line error naming the flag and
+    (hint) the smallest change that fits (smallest_change), and print the plan (not quiet). cfg is left as typed."""
     total = device_memory(device_type, cfg.memory_gib)
     budget = plan_budget(device_type, total)
     P, G = cfg.prompts_per_step, cfg.group_size
@@ -965,7 +972,9 @@ def plan_memory(cfg, model_config, n_params, device_type):
         sizes.micro_batch_size = fits[-1] if fits else 1
     sizes.full_rows = sizes.full_rows or auto_full(sizes.micro_batch_size)
     parts = plan(sizes.micro_batch_size, sizes.gen_batch_prompts)
-    print(format_plan(cfg, sizes, parts, device_type, total), file=sys.stderr)
+    if not quiet:
+        print(format_plan(cfg, sizes, parts, device_type, total), file=sys.stderr)
+    fix = lambda: smallest_change(cfg, model_config, n_params, device_type) if hint else ""  # noqa: E731
     context = " less the CUDA context" if device_type == "cuda" else ""
     over = f"over the budget of {budget / GiB:.1f} GiB ({total / GiB:.1f} GiB{context}, 90%)"
     state = parts["state (held throughout)"]
@@ -973,25 +982,48 @@ def plan_memory(cfg, model_config, n_params, device_type):
         ways = (["--rollout-dtype fp32 (no bf16 copy for generate)"] if parts["rollout copy"] else []) + (
             ["an --algo without a value model (pacs, grpo, reinforce)"] if cfg.algo == "ppo" else [])
         raise ConfigError(f"memory plan: the weights and AdamW states alone need {state / GiB:.1f} GiB, {over}: "
-                          f"use {', '.join(ways)}{', or ' if ways else ''}a larger card")
+                          f"use {', '.join(ways)}{', or ' if ways else ''}a larger card" + fix())
     gb, mb = sizes.gen_batch_prompts, sizes.micro_batch_size
     if parts["peak: generate"] > budget:
         raise ConfigError(f"memory plan: generate needs {parts['peak: generate'] / GiB:.1f} GiB, {over}: "
                           + (f"lower --gen-batch-prompts (now {gb}) or " if gb > 1
-                             else "lower ") + "--max-new-tokens or --max-prompt-tokens")
+                             else "lower ") + "--max-new-tokens or --max-prompt-tokens" + fix())
     if parts["peak: update"] > budget:
-        hint = ""
-        if not cfg.gradient_checkpointing:  # say whether checkpointing alone would make it fit, and at what size
-            ckpt = dataclasses.replace(cfg, gradient_checkpointing=True)
-            fits = [(s, p) for s in valid_micro_batch_sizes(cfg) if s <= max(G, mb)
-                    for p in [memory_plan(ckpt, model_config, n_params, device_type, s, gb)]
-                    if p["peak"] <= budget]
-            hint = ", or add --gradient-checkpointing" + (f" (planned: {fits[-1][1]['peak'] / GiB:.1f} GiB at "
-                                                          f"--micro-batch-size {fits[-1][0]})" if fits else "")
         raise ConfigError(f"memory plan: the update needs {parts['peak: update'] / GiB:.1f} GiB, {over}: "
                           + (f"lower --micro-batch-size (now {mb}), " if mb > 1
-                             else "lower ") + "--max-new-tokens or --max-prompt-tokens" + hint)
+                             else "lower ") + "--max-new-tokens or --max-prompt-tokens" + fix())
     return sizes, parts
+
+
+LORA_HINT_RANK = 16  # the rank smallest_change proposes
+
+
+def smallest_change(cfg, model_config, n_params, device_type):
+    """'; the smallest change that fits: FLAGS (planned ...)', the first of these whose plan fits: the plan's own
+    batch sizes (where some were typed), --gradient-checkpointing, --lora-rank 16, both, then --max-new-tokens halved
+    (down to 256) as is and with both; or '; nothing tried fits ...'. Each change keeps the others' flags as typed."""
+    auto = {"micro_batch_size": 0, "gen_batch_prompts": 0}
+    ckpt, lora = {"gradient_checkpointing": True}, {"lora_rank": LORA_HINT_RANK} if cfg.algo != "ppo" else {}
+    changes = [auto] if cfg.micro_batch_size or cfg.gen_batch_prompts else []
+    changes += [c for c in ({**auto, **ckpt}, {**auto, **lora}, {**auto, **ckpt, **lora})
+                if any(getattr(cfg, k) != v for k, v in c.items() if k not in auto)]
+    T = cfg.max_new_tokens // 2
+    while T >= 256:
+        changes += [{**auto, "max_new_tokens": T}, {**auto, **ckpt, **lora, "max_new_tokens": T}]
+        T //= 2
+    for change in changes:
+        try:
+            sizes, parts = plan_memory(dataclasses.replace(cfg, **change), model_config, n_params, device_type,
+                                       quiet=True, hint=False)
+        except ConfigError:
+            continue
+        flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in change.items()
+                         if getattr(cfg, k) != v)
+        rows = sizes.micro_batch_size
+        return (f"; the smallest change that fits: {flags} (planned {parts['peak'] / GiB:.1f} GiB, {rows} "
+                f"row{'s' if rows > 1 else ''} per micro-batch)")
+    return (f"; nothing tried fits (--gradient-checkpointing, --lora-rank {LORA_HINT_RANK}, --max-new-tokens down "
+            "to 256)")
 
 
 def format_plan(cfg, sizes, parts, device_type, total):

@@ -45,6 +45,7 @@ def saved_tensors(model):
 def split(saved, model):
     """Bytes of (activations, attention masks, bf16 weight copies) among the saved tensors."""
     shapes = {tuple(p.shape) for p in model.parameters()}
+    shapes |= {s[::-1] for s in shapes}  # a cast weight saved as its transpose (k_proj's (H, kv) where kv != H)
     casts = masks = other = 0
     for t in saved.values():
         n = t.untyped_storage().nbytes()

@@ -133,7 +133,7 @@ ROUTES = {"shared prompt, whole groups": ["--micro-batch-size", "8"],
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
-@pytest.mark.parametrize("algo", ["pacs", "grpo"])
+@pytest.mark.parametrize("algo", ["pacs", "grpo", "reinforce"])
 def test_psi_is_exactly_zero_at_lr_0_with_a_random_adapter_on_a_bf16_base(wide_model, tmp_path, monkeypatch, route,
                                                                           algo):
     if algo != "pacs" and "pi_ref" in route:
@@ -217,6 +217,15 @@ def test_an_adapter_checkpoint_evaluates_as_its_merged_export(digit_model, const
     # through 2 layers and a softmax, log-probs agree to 1e-5 (measured: ~1e-6)
     assert (lp_a - lp_b).abs().max() <= 1e-5
     assert (lp_a - pacs.response_logprobs(plumbing.load_model(digit_model)[0], *rows)[0]).abs().max() > 1e-3
+    # eval.py on the adapter checkpoint and on its export: the same seeded samples, problem by problem
+    import eval as pacs_eval
+    for name, model in (("eval_adapter", checkpoint), ("eval_merged", str(tmp_path / "merged"))):
+        pacs_eval.main(["--model", model, "--datasets", const7_file, "--n", "2", "--k", "1", "--temperature", "1.0",
+                        "--max-new-tokens", "6", "--batch-size", "8", "--device", "cpu",
+                        "--out", str(tmp_path / name)])
+    rows = [[json.loads(line)["responses"] for line in open(tmp_path / name / "samples.jsonl")]
+            for name in ("eval_adapter", "eval_merged")]
+    assert rows[0] == rows[1] and len(rows[0]) == 8
 
 
 def test_bad_lora_input_gets_one_line(digit_model, wide_model, tmp_path, capsys):

@@ -306,7 +306,8 @@ def test_ppo_counts_the_value_model_and_names_the_flag_that_makes_it_fit(capsys)
         assert ppo_plan["peak: update"] == held + max(actor, critic)  # the critic's update follows the actor's
     # the default PPO run on a "24 GB" card: even one row per micro-batch is over, and the refusal says what fits
     argv = ["--model", QWEN, "--algo", "ppo", "--plan-only", "--device", "cuda", "--memory-gib", "22.5"]
-    with pytest.raises(SystemExit, match=r"add --gradient-checkpointing \(planned: .* at --micro-batch-size 4\)"):
+    with pytest.raises(SystemExit, match=r"the smallest change that fits: --gradient-checkpointing "
+                                         r"\(planned .*, 4 rows "):
         pacs.main(argv)
     assert "critic    weights 1.84 | AdamW 3.68 held" in capsys.readouterr().err
     cfg = pacs.parse_args(argv + ["--gradient-checkpointing"])
