@@ -66,6 +66,11 @@ class EvalConfig:  # flags parsed by plumbing.parse_flags (HfArgumentParser), as
     data_dir: str = flag("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data)")
     problem_key: str = flag("", "problem column of a local file (empty: 'problem')")
     answer_key: str = flag("", "answer column of a local file (empty: 'answer')")
+    prompt: Optional[Literal["official", "v2"]] = flag(None, "pacs.py's --prompt: official (one user turn) | "
+                                                       "v2 (App. C.1's system turn first); unset: "
+                                                       "--protocol's (default: official, v2: v2)")
+    thinking: bool = flag(True, "pacs.py's --thinking: Qwen3's template thinks (C.1); --no-thinking: "
+                          "an empty <think></think> block")
     limit: int = flag(0, "only the first N problems of each dataset (0 = all)")
     n: Optional[int] = flag(None, "samples per problem (unset: --protocol's)")
     k: Optional[str] = flag(None, "comma-separated k for pass@k, each <= n (empty: 1, 2, 4, ... up to n; "
@@ -99,13 +104,13 @@ class EvalConfig:  # flags parsed by plumbing.parse_flags (HfArgumentParser), as
 
 # --protocol -> the value of each of these flags left unset. v2: arXiv 2509.02522v2's evaluation, Sec. 4.1
 # (its five benchmarks; n = 128 samples per problem; temperature 0.6) and Table 5 (max tokens 8,192; top-p
-# 0.95); its Tables 2 and 6-13 report pass@k at k = 1, 4, 8, 16, 32, 64. Its prompt adds a system turn, "You
-# are a helpful assistant." (App. C.1), to build_prompt's, which is the official code's (docs/paper.md).
+# 0.95); its Tables 2 and 6-13 report pass@k at k = 1, 4, 8, 16, 32, 64. Its prompt (App. C.1) adds a system turn,
+# "You are a helpful assistant.", to the official code's one user turn (plumbing.build_prompt; docs/paper.md).
 PROTOCOLS = {
     "default": {"datasets": "math500,amc23,aime24,aime25", "n": 16, "k": "", "temperature": 0.6,
-                "top_p": 0.95, "max_new_tokens": 1024},
+                "top_p": 0.95, "max_new_tokens": 1024, "prompt": "official"},
     "v2": {"datasets": "math500,amc23,aime24,aime25,beyondaime", "n": 128, "k": "1,4,8,16,32,64",
-           "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 8192},
+           "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 8192, "prompt": "v2"},
 }
 
 # Presets for evaluation only (no training split), in plumbing.PRESETS's layout: (hub id, hub config,
@@ -118,7 +123,8 @@ EVAL_PRESETS = {
 
 
 # the settings a run's samples depend on: a resumed run must match them, or it would mix two experiments
-SAMPLE_KEYS = ("model", "n", "temperature", "top_p", "max_new_tokens", "seed")
+SAMPLE_KEYS = ("model", "n", "temperature", "top_p", "max_new_tokens", "seed", "prompt", "thinking")
+SAMPLE_DEFAULTS = {"prompt": "official", "thinking": True}  # what a config.json from before these keys sampled with
 
 
 # =====================================================================================================
@@ -233,7 +239,7 @@ def batch_seed(seed, dataset, first_id):
 def sample_batch(model, tokenizer, batch, args, cache_tokens=0):
     """n responses to each problem of batch, at most --batch-size sequences per generate call.
     Returns one (texts, lengths, truncated) per problem, each a list of n."""
-    prompts = [plumbing.build_prompt(tokenizer, p["problem"]) for p in batch]
+    prompts = [plumbing.build_prompt(tokenizer, p["problem"], args.prompt, args.thinking) for p in batch]
     g = min(args.n, args.batch_size)  # samples per prompt per call; n > batch_size (one prompt): several calls
     out = [([], [], []) for _ in batch]
     for s in range(0, args.n, g):
@@ -278,11 +284,12 @@ def load_datasets(args):
     return data
 
 
-def changed_settings(path, settings):
-    """The settings whose value in the JSON file `path` (an earlier run's) differs from `settings`, as
-    '--flag OLD there, NEW now' strings; [] when they all agree. Resumable scripts refuse to mix the two."""
+def changed_settings(path, settings, defaults=None):
+    """The settings whose value in the JSON file `path` (an earlier run's, where a key it lacks had its value in
+    `defaults`) differs from `settings`, as '--flag OLD there, NEW now' strings; [] when they all agree. Resumable
+    scripts refuse to mix the two."""
     with open(path) as f:
-        saved = json.load(f)
+        saved = {**(defaults or {}), **json.load(f)}
     return [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {v!r} now" for k, v in settings.items()
             if saved.get(k) != v]
 
@@ -314,7 +321,7 @@ def check_run_config(args, has_rows):
     path = os.path.join(args.out, "config.json")
     mine = {k: getattr(args, k) for k in SAMPLE_KEYS}
     if has_rows and os.path.isfile(path):
-        diff = changed_settings(path, mine)
+        diff = changed_settings(path, mine, SAMPLE_DEFAULTS)
         if diff:
             raise ConfigError(f"{args.out} holds samples taken with other settings ({'; '.join(diff)}); "
                               "use another --out")
@@ -358,8 +365,9 @@ def evaluate(args):
                                            torch.float32)
         prompt_tokens = 0  # the longest prompt, counted only where the plan or the static cache needs it
         if args.static_cache or (args.batch_size == 0 and not saved_batch_size and device.type == "cuda"):
-            prompt_tokens = max(len(tokenizer(plumbing.build_prompt(tokenizer, p["problem"]), add_special_tokens=False)
-                                    ["input_ids"]) for problems in data.values() for p in problems)
+            render = lambda p: plumbing.build_prompt(tokenizer, p["problem"], args.prompt, args.thinking)  # noqa: E731
+            prompt_tokens = max(len(tokenizer(render(p), add_special_tokens=False)["input_ids"])
+                                for problems in data.values() for p in problems)
         cache_tokens = prompt_tokens + args.max_new_tokens if args.static_cache else 0
         if args.batch_size == 0:
             args.batch_size = planned_batch_size(args, device, prompt_tokens, saved_batch_size)

@@ -90,6 +90,10 @@ class Config:
                           "dtype (bf16 on CUDA); 0 = full fine-tuning, the paper's (docs/lora.md)")
     lora_alpha: float = flag(0.0, "LoRA's alpha: the adapter adds (alpha / rank) B A x; 0 = twice the rank")
     lora_targets: str = flag(plumbing.LORA_TARGETS, "the Linear layers LoRA wraps, by name, comma-separated")
+    prompt: Literal["official", "v2"] = flag("official", "official: the code's one user turn; v2: after "
+                                             "paper v2's system turn (App. C.1)")
+    thinking: bool = flag(True, "Qwen3's template thinks, as in v2's C.1 prompt; --no-thinking: an empty "
+                          "<think></think> block first")
     dataset: str = flag("deepscaler", "preset (gsm8k, math, math500, deepscaler, aime24, aime25, amc23, "
                         "synthetic) or a .jsonl/.json/.parquet file")
     data_dir: str = flag("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data)")
@@ -517,7 +521,7 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
 def greedy_accuracy(model, tokenizer, problems, max_new_tokens, batch_prompts=32, speed=levers.Levers(),
                     verifier_pool=None):
     """The held-out accuracy (float64, as np.mean): one greedy response per problem, verified (reward_fn)."""
-    prompts = [plumbing.build_prompt(tokenizer, p["problem"]) for p in problems]
+    prompts = plumbing.prompts_of(tokenizer, problems)  # as training_problems rendered them
     roll = sample(model, tokenizer, prompts, 1, max_new_tokens, greedy=True, batch_prompts=batch_prompts,
                   progress=True, speed=speed)
     texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
@@ -663,7 +667,7 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     G, M, sizes = cfg.group_size, cfg.num_mini_batches, sizes or plumbing.Sizes.typed(cfg)
     t0 = time.time()
     batch = [problems[i] for i in plumbing.batch_indices(step, len(problems), cfg.prompts_per_step, cfg.seed)]
-    prompts = [plumbing.build_prompt(tokenizer, p["problem"]) for p in batch]
+    prompts = plumbing.prompts_of(tokenizer, batch)  # each problem's prompt (--prompt, --thinking)
     # ---- 1. sample: G responses per prompt from pi_old (PACS in ten lines: 1) ---------------------------
     roll = sample(rollout_model or model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
                   batch_prompts=sizes.gen_batch_prompts, sizes=sizes, speed=levers.on_device(cfg, device.type))

@@ -72,9 +72,10 @@ def training_problems(cfg, tokenizer):
     """(the training problems whose prompt fits --max-prompt-tokens, the greedy eval's held-out problems or [])."""
     problems = load_problems(cfg.dataset, "train", cfg.data_dir, cfg.problem_key, cfg.answer_key)
     n_before = len(problems)
-    prompt_tokens = lambda p: len(tokenizer(build_prompt(tokenizer, p["problem"]),
-                                            add_special_tokens=False)["input_ids"])
-    problems = [p for p in problems if prompt_tokens(p) <= cfg.max_prompt_tokens]
+    for p in problems:
+        p["prompt"] = build_prompt(tokenizer, p["problem"], cfg.prompt, cfg.thinking)
+    problems = [p for p in problems
+                if len(tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]) <= cfg.max_prompt_tokens]
     if len(problems) < n_before:
         print(f"[data] dropped {n_before - len(problems)} prompts longer than {cfg.max_prompt_tokens} tokens",
               file=sys.stderr)
@@ -86,6 +87,8 @@ def training_problems(cfg, tokenizer):
         same = eval_name == cfg.dataset  # column overrides belong to the training file only
         eval_problems = load_problems(eval_name, "test", cfg.data_dir, cfg.problem_key if same else "",
                                       cfg.answer_key if same else "")[:cfg.eval_size]
+        for p in eval_problems:
+            p["prompt"] = build_prompt(tokenizer, p["problem"], cfg.prompt, cfg.thinking)
     return problems, eval_problems
 
 
@@ -179,13 +182,26 @@ def load_problems(name, split="train", data_dir="", problem_key="", answer_key="
 PROMPT_SUFFIX = " Please reason step by step, and put your final answer within \\boxed{}."
 
 
-def build_prompt(tokenizer, problem):
-    """The official code's prompt: one user turn in the chat template (paper v2 adds a system turn, "You are a
-    helpful assistant."). eval.py imports this (one source of truth)."""
+V2_SYSTEM = "You are a helpful assistant."  # paper v2's system turn (App. C.1)
+
+
+def build_prompt(tokenizer, problem, prompt="official", thinking=True):
+    """The prompt of a problem (eval.py imports this: one source of truth). prompt "official": the official code's,
+    one user turn in the chat template (Qwen2.5's template then adds its own default system turn, Qwen3's none);
+    "v2": paper v2's App. C.1, after the system turn V2_SYSTEM. thinking=False: Qwen3's template closes an empty
+    <think></think> block (other templates ignore it); C.1 shows none, so thinking is on there."""
     messages = [{"role": "user", "content": problem + PROMPT_SUFFIX}]
+    if prompt == "v2":
+        messages.insert(0, {"role": "system", "content": V2_SYSTEM})
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return messages[0]["content"]  # a base model without a template: the bare instruction
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **({} if thinking else {"enable_thinking": False}))
+    return "\n\n".join(m["content"] for m in messages)  # a base model without a template: the bare instruction
+
+
+def prompts_of(tokenizer, problems):
+    """Each problem's prompt: as training_problems rendered it (--prompt, --thinking), else build_prompt's default."""
+    return [p.get("prompt") or build_prompt(tokenizer, p["problem"]) for p in problems]
 
 
 def batch_indices(step, n_problems, per_step, seed):
