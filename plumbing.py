@@ -298,9 +298,9 @@ def load_model(name, device="cpu", dtype=torch.float32):
 
 
 def load_model_config(name):
-    """The architecture (config.json) of what load_model would load, without its weights."""
+    """The architecture (config.json) of what load_model would load, without its weights (an adapter's: its base's)."""
     from transformers import AutoConfig
-    name = resolve_model_path(name)
+    name = adapter_base(name) or resolve_model_path(name)
     try:
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
@@ -485,6 +485,7 @@ def setup_model(cfg, path, device):
     # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA.
     # --lora-rank: the frozen base in the rollout dtype (bf16 on CUDA) under an fp32 adapter, from --model (a resumed
     # run's checkpoint holds the adapter alone)
+    check_checkpoint_kind(cfg, path)
     model_config = load_model_config(cfg.model if cfg.lora_rank else path)  # the plan, before any weight loads
     sizes, _ = plan_memory(cfg, model_config, count_parameters(model_config), device.type)
     if cfg.lora_rank:
@@ -509,6 +510,18 @@ def setup_model(cfg, path, device):
             print("[compile] --compile-layers acts on full rows' forwards; the plan shares each group's prompt (its "
                   "KV cache: eager), so the layers run eager: add --full-rows on", file=sys.stderr)
     return model, rollout_model, tokenizer, sizes
+
+
+def check_checkpoint_kind(cfg, path):
+    """A one-line ConfigError where --model or a resumed checkpoint (path) is an adapter and --lora-rank says
+    otherwise, or the other way round."""
+    if adapter_base(cfg.model) is not None:
+        raise ConfigError(f"--model {cfg.model} is a LoRA checkpoint: continue its run with --resume in its --out-dir "
+                          f"(and its --lora-* flags), or train its merged weights (python plumbing.py merge "
+                          f"{cfg.model} OUT, then --model OUT)")
+    if path != cfg.model and (adapter_base(path) is not None) != bool(cfg.lora_rank):
+        raise ConfigError(f"{path} holds a LoRA adapter: resume with the run's --lora-rank" if not cfg.lora_rank else
+                          f"{path} holds a full model, not an adapter: resume without --lora-rank")
 
 
 def set_up_lever(fn, *args):
@@ -567,6 +580,10 @@ def add_adapter(cfg, model, checkpoint=None):
             warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
             return get_peft_model(model, lora_config(cfg))
     model = load_adapter(model, checkpoint, trainable=True)
+    base = adapter_base(checkpoint)
+    if base and os.path.abspath(base) != os.path.abspath(model.get_base_model().name_or_path) and base != cfg.model:
+        print(f"[lora] {checkpoint}'s adapter names the base {base}; resuming on --model {cfg.model} (same shapes)",
+              file=sys.stderr)
     saved, asked = model.peft_config["default"], lora_config(cfg)
     shape = lambda config: (config.r, config.lora_alpha, set(config.target_modules))  # noqa: E731
     if shape(saved) != shape(asked):
@@ -618,7 +635,7 @@ def trained_state(model):
     """What a checkpoint keeps of a model beside its files: its state_dict, or an adapter's tensors alone."""
     if is_adapter(model):
         from peft import get_peft_model_state_dict
-        return get_peft_model_state_dict(model)
+        return get_peft_model_state_dict(model, save_embedding_layers=False)
     return model.state_dict()
 
 
@@ -1017,9 +1034,11 @@ LORA_HINT_RANK = 16  # the rank smallest_change proposes
 def smallest_change(cfg, model_config, n_params, device_type):
     """'; the smallest change that fits: FLAGS (planned ...)', the first of these whose plan fits: the plan's own
     batch sizes (where some were typed), --gradient-checkpointing, --lora-rank 16, both, then --max-new-tokens halved
-    (down to 256) as is and with both; or '; nothing tried fits ...'. Each change keeps the others' flags as typed."""
+    (down to 256) as is and with both; or '; nothing tried fits ...'. Each change keeps the others' flags as typed;
+    PPO and a resumed run are offered no LoRA (PPO has none; a run cannot switch)."""
     auto = {"micro_batch_size": 0, "gen_batch_prompts": 0}
-    ckpt, lora = {"gradient_checkpointing": True}, {"lora_rank": LORA_HINT_RANK} if cfg.algo != "ppo" else {}
+    ckpt = {"gradient_checkpointing": True}
+    lora = {"lora_rank": cfg.lora_rank or LORA_HINT_RANK} if cfg.algo != "ppo" and not cfg.resume else {}
     changes = [auto] if cfg.micro_batch_size or cfg.gen_batch_prompts else []
     changes += [c for c in ({**auto, **ckpt}, {**auto, **lora}, {**auto, **ckpt, **lora})
                 if any(getattr(cfg, k) != v for k, v in c.items() if k not in auto)]
@@ -1091,7 +1110,9 @@ def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_
     final = os.path.join(cfg.out_dir, f"checkpoint-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # loadable by eval.py, transformers and vLLM; an adapter in peft's format
+    # loadable by eval.py, transformers and vLLM; an adapter in peft's format (its embeddings never train: peft's
+    # "auto" would look the base up on the hub at every save)
+    model.save_pretrained(tmp, **({"save_embedding_layers": False} if is_adapter(model) else {}))
     tokenizer.save_pretrained(tmp)
     if critic is not None:
         critic.save_pretrained(os.path.join(tmp, "critic"))
@@ -1145,6 +1166,12 @@ def restore_trainer(cfg, resume_from, optimizer, critic_optimizer, ref_model, si
             if state.get("reference") is None:
                 raise ConfigError(f"{resume_from} holds no pi_ref (made with --ref-reset-every 1): resume with that")
             load_trained_state(ref_model, state["reference"])
+        saved = state.get("config", {})
+        changed = [f"--{k} {saved[k]!r} there, {getattr(cfg, k)!r} now" for k in ("prompt", "thinking")
+                   if k in saved and saved[k] != getattr(cfg, k)]
+        if changed:
+            raise ConfigError(f"{resume_from} was trained with another prompt ({'; '.join(changed)}): resume with its "
+                              "flags")
         start, sizes = state["step"] + 1, resumed_sizes(cfg, sizes, state)
         print(f"[resume] {resume_from}: continuing at step {start}", file=sys.stderr)
     rows = []

@@ -194,6 +194,14 @@ def test_a_resume_continues_exactly(digit_model, const7_file, tmp_path):
     pacs.main(argv + ["--out-dir", str(cut), "--steps", "4", "--resume"])
     read = lambda d: [strip_timing(json.loads(line)) for line in open(d / "metrics.jsonl")]  # noqa: E731
     assert len(read(cut)) == 4 and read(cut) == read(straight)
+    # the wrong kind of checkpoint, or another prompt, is refused in one line before anything loads
+    no_lora = [a for a in argv if a not in ("--lora-rank", "4")]
+    for extra, needle in ((no_lora, "holds a LoRA adapter: resume with the run's --lora-rank"),
+                          (argv + ["--prompt", "v2"], "trained with another prompt .*--prompt 'official' there")):
+        with pytest.raises(SystemExit, match=needle):
+            pacs.main(extra + ["--out-dir", str(cut), "--steps", "5", "--resume"])
+    with pytest.raises(SystemExit, match="is a LoRA checkpoint: continue its run with --resume"):
+        pacs.main(no_lora + ["--model", str(cut / "checkpoint-000003"), "--out-dir", str(tmp_path / "x")])
     assert os.path.isfile(cut / "checkpoint-000003" / "adapter_model.safetensors")
     assert not os.path.isfile(cut / "checkpoint-000003" / "model.safetensors")  # the adapter alone
 
@@ -208,6 +216,8 @@ def test_an_adapter_checkpoint_evaluates_as_its_merged_export(digit_model, const
     adapter, tok = plumbing.load_model(checkpoint)  # eval.py's loader: the base the adapter names, then the adapter
     merged, _ = plumbing.load_model(str(tmp_path / "merged"))
     assert plumbing.is_adapter(adapter) and not plumbing.is_adapter(merged)
+    shape = lambda c: (c.model_type, c.hidden_size, c.num_hidden_layers, c.vocab_size)  # noqa: E731
+    assert shape(plumbing.load_model_config(checkpoint)) == shape(merged.config)  # an adapter's config: its base's
     prompts = [plumbing.build_prompt(tok, f"{i} + {7 - i} =") for i in range(8)]
     a = pacs.sample(adapter, tok, prompts, 1, 12, greedy=True)
     b = pacs.sample(merged, tok, prompts, 1, 12, greedy=True)
@@ -296,3 +306,21 @@ def test_the_plan_bounds_what_autograd_saves_with_an_adapter(digit_model, digit_
     plan = plumbing.memory_plan(cfg, model.config, n_base, "cpu", b, 1)
     planned = plan["activations of a micro-batch"] + plan["attention masks (SDPA)"]
     assert activations + masks <= planned <= 3 * (activations + masks), (activations + masks, planned)
+
+
+def test_a_lora_checkpoint_never_looks_its_base_up_on_the_hub(digit_model, tmp_path, monkeypatch):
+    # peft's save_embedding_layers="auto" asks the hub for a base named by a hub id: with no network (or a slow one)
+    # every save would wait on it. The adapter's embeddings never train: checkpoints say so.
+    import peft.utils.save_and_load as save_and_load
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a checkpoint save asked the hub")
+
+    monkeypatch.setattr(save_and_load, "check_file_exists_on_hf_hub", no_hub)
+    cfg = lora_cfg(digit_model, out_dir=str(tmp_path), ref_reset_every=0)
+    model = plumbing.add_adapter(cfg, plumbing.load_model(digit_model)[0])
+    model.peft_config["default"].base_model_name_or_path = "Qwen/Qwen2.5-0.5B-Instruct"  # a hub id, as users pass
+    optimizer = pacs.make_optimizer(cfg, model, fused=False)
+    _, tok = plumbing.load_model(digit_model)
+    path = plumbing.save_checkpoint(cfg, model, tok, optimizer, 0, ref_model=plumbing.frozen_copy(model))
+    assert os.path.isfile(os.path.join(path, "adapter_model.safetensors"))

@@ -13,6 +13,7 @@ import torch
 import eval as pacs_eval
 import pacs
 import plumbing
+from test_lora import randomize_adapter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3 = os.path.join(ROOT, "..", "shared", "models", "qwen3")
@@ -54,7 +55,8 @@ def test_the_v2_prompt_replaces_qwen25s_default_system_turn():
 def test_eval_protocol_v2_takes_v2s_prompt():
     assert pacs_eval.parse_args(["--protocol", "v2"]).prompt == "v2"
     assert pacs_eval.parse_args([]).prompt == "official"
-    assert pacs_eval.parse_args(["--protocol", "v2", "--prompt", "official", "--no-thinking"]).prompt == "official"
+    args = pacs_eval.parse_args(["--protocol", "v2", "--prompt", "official", "--no-thinking"])
+    assert (args.prompt, args.thinking) == ("official", False)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +88,10 @@ def test_qwen3_ends_a_response_at_either_eos(tiny_qwen3):
 def test_a_pacs_step_on_qwen3_keeps_psi_exactly_zero_at_lr_0_under_bf16(tiny_qwen3, tmp_path, monkeypatch, lora):
     monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers, pool=None: torch.tensor(
         [float(i % 2) for i in range(len(texts))]))  # mixed groups: the loss has a gradient to apply at lr 0
+    if lora:  # a random adapter: peft's B = 0 adds exactly nothing, and the test could not fail
+        real_add = plumbing.add_adapter
+        monkeypatch.setattr(plumbing, "add_adapter", lambda cfg, model, checkpoint=None: randomize_adapter(
+            real_add(cfg, model, checkpoint)))
     prompts, real_sample = [], pacs.sample
     monkeypatch.setattr(pacs, "sample", lambda model, tok, batch, *a, **k: prompts.extend(batch) or real_sample(
         model, tok, batch, *a, **k))
