@@ -1,8 +1,10 @@
-"""What a pacs.py run needs around the algorithm: data and prompts, models and devices, the batch sizes and their
-out-of-memory retries, the memory plan, checkpoints and resume, the step line, trackers and curves, the command line.
+"""What a pacs.py run needs around the algorithm: data and prompts, models and devices, LoRA adapters (peft), the
+batch sizes and their out-of-memory retries, the memory plan, checkpoints and resume, the step line, trackers and
+curves, the command line.
 
 pacs.py calls these by this module's name (plumbing.load_model(...)); this module never imports pacs.py, so
-`python pacs.py` loads that file once. What both need lives here: ConfigError, flag, parse_flags.
+`python pacs.py` loads that file once. What both need lives here: ConfigError, flag, parse_flags. Run as a script it
+merges a --lora-rank checkpoint into its base: python plumbing.py merge CHECKPOINT OUT.
 """
 from __future__ import annotations
 
