@@ -475,7 +475,8 @@ def rollout_torch_dtype(cfg, device_type):
 
 def setup_model(cfg, path, device):
     """(model, rollout_model, tokenizer, sizes): the fp32 model to train, the copy generate() runs on, and the run's
-    batch sizes from the memory plan, printed (its --micro-batch-size / --gen-batch-prompts where they are 0)."""
+    batch sizes from the memory plan, printed (its --micro-batch-size / --gen-batch-prompts where they are 0). path:
+    the model to load, or a checkpoint of --model to resume (with --lora-rank, its adapter on --model's base)."""
     speed = levers.on_device(cfg, device.type)
     if device.type == "cuda":
         set_cuda_kernels()
@@ -487,12 +488,14 @@ def setup_model(cfg, path, device):
     # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA.
     # --lora-rank: the frozen base in the rollout dtype (bf16 on CUDA) under an fp32 adapter, from --model (a resumed
     # run's checkpoint holds the adapter alone)
-    check_checkpoint_kind(cfg, path)
-    model_config = load_model_config(cfg.model if cfg.lora_rank else path)  # the plan, before any weight loads
+    resuming = path != cfg.model and os.path.isfile(os.path.join(path, "trainer_state.pt"))  # a checkpoint of --model
+    check_checkpoint_kind(cfg, path, resuming)
+    base = cfg.model if cfg.lora_rank and resuming else path
+    model_config = load_model_config(base)  # the plan, before any weight loads
     sizes, _ = plan_memory(cfg, model_config, count_parameters(model_config), device.type)
     if cfg.lora_rank:
-        model, tokenizer = load_model(cfg.model, device, speed.rollout_dtype)
-        model = add_adapter(cfg, model, None if path == cfg.model else path)
+        model, tokenizer = load_model(base, device, speed.rollout_dtype)
+        model = add_adapter(cfg, model, path if resuming else None)
     else:
         model, tokenizer = load_model(path, device, torch.float32)
     if cfg.gradient_checkpointing:
@@ -514,14 +517,14 @@ def setup_model(cfg, path, device):
     return model, rollout_model, tokenizer, sizes
 
 
-def check_checkpoint_kind(cfg, path):
-    """A one-line ConfigError where --model or a resumed checkpoint (path) is an adapter and --lora-rank says
-    otherwise, or the other way round."""
-    if adapter_base(cfg.model) is not None:
-        raise ConfigError(f"--model {cfg.model} is a LoRA checkpoint: continue its run with --resume in its --out-dir "
+def check_checkpoint_kind(cfg, path, resuming):
+    """A one-line ConfigError where the model to load (path) is a LoRA checkpoint outside a resume, or a resumed
+    checkpoint is an adapter and --lora-rank says otherwise, or the other way round."""
+    if not resuming and adapter_base(path) is not None:
+        raise ConfigError(f"--model {path} is a LoRA checkpoint: continue its run with --resume in its --out-dir "
                           f"(and its --lora-* flags), or train its merged weights (python plumbing.py merge "
-                          f"{cfg.model} OUT, then --model OUT)")
-    if path != cfg.model and (adapter_base(path) is not None) != bool(cfg.lora_rank):
+                          f"{path} OUT, then --model OUT)")
+    if resuming and (adapter_base(path) is not None) != bool(cfg.lora_rank):
         raise ConfigError(f"{path} holds a LoRA adapter: resume with the run's --lora-rank" if not cfg.lora_rank else
                           f"{path} holds a full model, not an adapter: resume without --lora-rank")
 

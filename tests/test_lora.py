@@ -324,3 +324,12 @@ def test_a_lora_checkpoint_never_looks_its_base_up_on_the_hub(digit_model, tmp_p
     _, tok = plumbing.load_model(digit_model)
     path = plumbing.save_checkpoint(cfg, model, tok, optimizer, 0, ref_model=plumbing.frozen_copy(model))
     assert os.path.isfile(os.path.join(path, "adapter_model.safetensors"))
+
+
+def test_setup_model_puts_the_adapter_on_the_model_it_is_given(digit_model):
+    # benchmarks/gpu_step.py hands setup_model a stand-in's directory while --model names the hub model: that
+    # directory is the base (only a checkpoint of --model, with its trainer_state.pt, is a resume)
+    cfg = lora_cfg("Qwen/Qwen2.5-0.5B-Instruct")
+    model, rollout, _, _ = plumbing.setup_model(cfg, digit_model, torch.device("cpu"))
+    assert plumbing.is_adapter(model) and rollout is model
+    assert model.get_base_model().name_or_path == os.path.abspath(digit_model)
