@@ -581,8 +581,7 @@ def add_adapter(cfg, model, checkpoint=None):
     from peft import get_peft_model
     check_lora_targets(model, lora_targets(cfg))
     if checkpoint is None:
-        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
-            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+        with peft_quietly():
             return get_peft_model(model, lora_config(cfg))
     model = load_adapter(model, checkpoint, trainable=True)
     base = adapter_base(checkpoint)
@@ -597,13 +596,20 @@ def add_adapter(cfg, model, checkpoint=None):
     return model
 
 
+@contextlib.contextmanager
+def peft_quietly():
+    """Around peft wrapping a model: its read of deprecated is_gradient_checkpointing warns (peft's call, not ours)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+        yield
+
+
 def load_adapter(model, path, trainable=False):
     """PeftModel.from_pretrained(model, path): an adapter made for another base (other shapes, or modules this one
     lacks) is a one-line ConfigError naming the base the adapter names."""
     from peft import PeftModel
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+        with peft_quietly():
             return PeftModel.from_pretrained(model, path, is_trainable=trainable)
     except (RuntimeError, ValueError, KeyError) as e:
         why = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line),
@@ -656,7 +662,7 @@ def load_trained_state(model, state):
 
 def lora_linears(c, cfg):
     """(in, out) features of each Linear --lora-targets wraps in a model of config c (built on the meta device)."""
-    return _lora_linears(c.to_json_string(), type(c), cfg.lora_targets)
+    return _lora_linears(c.to_json_string(), type(c), tuple(lora_targets(cfg)))
 
 
 @functools.cache
@@ -664,10 +670,9 @@ def _lora_linears(config_json, config_class, targets):
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config_class.from_dict(json.loads(config_json)))
-    names = [name.strip() for name in targets.split(",") if name.strip()]
-    check_lora_targets(model, names)
+    check_lora_targets(model, targets)
     return tuple((m.in_features, m.out_features) for name, m in model.named_modules()
-                 if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in names)
+                 if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
 
 
 def adapter_parameters(c, cfg):
