@@ -40,6 +40,11 @@ METHODS = {
     "pacs-no-balance": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--no-balance"],
     # PACS with a rank-8 LoRA adapter (alpha 16) on the frozen base: a check that the adapter learns (--lora-rank)
     "pacs-lora": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance", "--lora-rank", "8"],
+    # LoRA's learning rate (experiments/lora_scan.py): rank 1 and rank 16 on all seven projections, alpha twice the
+    # rank (the flag's default), each at the lr its own validation scan picks; GRPO at rank 1 beside them
+    "pacs-lora-r1": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance", "--lora-rank", "1"],
+    "pacs-lora-r16": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance", "--lora-rank", "16"],
+    "grpo-lora-r1": ["--algo", "grpo", "--lora-rank", "1"],
     # what the critic does (experiments/critic_controls.py): sigma(psi), detached, permuted in each group in its place;
     # within each class (the ranking kept, each response's tie to its own move broken), or regardless of R (neither)
     "pacs-critic-class-shuffled": ["--algo", "pacs", "--beta", "1.0", "--estimator", "rloo", "--balance",
