@@ -361,10 +361,18 @@ def copy_weights(dst, src):
             d.copy_(s)
 
 
+def visible_gpus():
+    """How many CUDA devices this process can use: 0 on a CPU-only build, and on a CUDA build without a GPU or driver.
+    The one place the run reads whether CUDA is here. A test that fakes a GPU patches this and never
+    torch.cuda.is_available, which torch's own code reads too: on a CUDA build, AdamW's step then asks
+    torch.accelerator for a stream, and without a driver that raises (tests/conftest.py holds the tests to it)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def resolve_device(name):
     """torch.device for a --device flag: 'auto' is CUDA when there is a GPU, else the CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if visible_gpus() else "cpu")
     return torch.device(name)
 
 
@@ -377,7 +385,7 @@ def pick_device(cfg):
     """The run's torch.device. Refused in one line naming why CUDA is unusable: --device cuda without a usable GPU,
     and --device auto without one at GPU scale (GPU_SCALE_TOKENS), where a CPU fallback would run for days."""
     tokens = cfg.prompts_per_step * cfg.group_size * cfg.max_new_tokens
-    if cfg.device != "cpu" and not cfg.plan_only and not torch.cuda.is_available():
+    if cfg.device != "cpu" and not cfg.plan_only and not visible_gpus():
         if cfg.device == "cuda":
             raise ConfigError(f"--device cuda, but CUDA is unusable here: {cuda_unusable_cause()}")
         if tokens > GPU_SCALE_TOKENS:
@@ -800,7 +808,7 @@ def retry_smaller(cfg, sizes, what, model, fn, *args, size="micro_batch_size"):
             raise ConfigError(f"out of memory in {what} " + fails.format(now, error))
         tqdm.write(f"[memory] out of memory in {what}: " + said.format(now, smaller[-1]))
         setattr(sizes, size, smaller[-1])
-        if torch.cuda.is_available():
+        if visible_gpus():
             torch.cuda.empty_cache()
 
 
@@ -1129,7 +1137,7 @@ def save_checkpoint(cfg, model, tokenizer, optimizer, step, critic=None, critic_
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng_python": random.getstate(),
                 "critic_optimizer": critic_optimizer.state_dict() if critic_optimizer is not None else None,
                 "rng_numpy": np.random.get_state(), "rng_torch": torch.get_rng_state(),
-                "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "rng_cuda": torch.cuda.get_rng_state_all() if visible_gpus() else None,
                 "reference": trained_state(ref_model) if ref_model is not None else None,
                 "sizes": dataclasses.asdict(sizes) if sizes is not None else None,
                 "config": dataclasses.asdict(cfg)}, os.path.join(tmp, "trainer_state.pt"))
@@ -1199,7 +1207,7 @@ def restore_cuda_rng(states):
     """Give each visible GPU the CUDA RNG state a checkpoint saved for it (states: one per GPU the saving run saw,
     or None). A machine with another number of GPUs gets the states of the devices both have, and a note:
     torch.cuda.set_rng_state_all would raise on a device that is not there."""
-    present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    present = visible_gpus()
     for i, state in enumerate((states or [])[:present]):
         torch.cuda.set_rng_state(state, i)
     saved = len(states or [])

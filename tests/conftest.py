@@ -59,12 +59,58 @@ def check_patched_name(module, name):
                     + (f"; patch {owner}.{name}" if owner else ""), pytrace=False)
 
 
+# Faking CUDA. The run reads whether CUDA is here through plumbing.visible_gpus alone. A test that fakes a GPU or its
+# absence patches that, or a CUDA call the run makes (torch.cuda.X, torch.version.cuda, torch._C's allocator setting),
+# and says so with @pytest.mark.fakes_cuda: .ci/run runs those once more on PyPI's torch, a CUDA build, on a machine
+# without a GPU. torch.cuda.is_available and device_count are never patched: torch's own code reads them too (on a
+# CUDA build, AdamW's step then asks torch.accelerator for a stream, which raises without a driver), so the fake would
+# reach further than the test means. A test that patches CUDA without the marker fails, and so does a marked test that
+# patches nothing of CUDA's.
+TORCH_READS = ("is_available", "device_count")
+cuda_faked = {"item": None, "faked": False}
+
+
+def is_cuda_fake(module, name):
+    """Whether patching module.name fakes CUDA's state; fails a patch of a name torch's own code reads."""
+    import torch
+    module_name = getattr(module, "__name__", "")
+    if module_name == "torch.cuda" and name in TORCH_READS:
+        pytest.fail(f"monkeypatch of torch.cuda.{name}: torch's own code reads it too; patch plumbing.visible_gpus",
+                    pytrace=False)
+    return (module_name == "torch.cuda" or module_name.startswith("torch.cuda.")
+            or (module is torch.version and name == "cuda") or (module is torch._C and name.startswith("_accelerator"))
+            or (top_level_module(module) and module_name == "plumbing" and name == "visible_gpus"))
+
+
+def check_cuda_fake(module, name):
+    if not is_cuda_fake(module, name):
+        return
+    item = cuda_faked["item"]
+    if item is None or item.get_closest_marker("fakes_cuda") is None:
+        pytest.fail(f"monkeypatch of {getattr(module, '__name__', module)}.{name} fakes CUDA: mark the test "
+                    "@pytest.mark.fakes_cuda (.ci/run runs those on a CUDA build of torch too)", pytrace=False)
+    cuda_faked["faked"] = True
+
+
+@pytest.fixture(autouse=True)
+def cuda_fakes_are_declared(request):
+    """A test marked fakes_cuda patches something of CUDA's (check_cuda_fake sees each patch)."""
+    cuda_faked.update(item=request.node, faked=False)
+    yield
+    faked = cuda_faked["faked"]
+    cuda_faked.update(item=None, faked=False)
+    if request.node.get_closest_marker("fakes_cuda") is not None and not faked:
+        pytest.fail("marked fakes_cuda but patched nothing of CUDA's: drop the marker", pytrace=False)
+
+
 def guarded_setattr(self, target, *args, **kwargs):
     if isinstance(target, str):  # the dotted form: setattr("module.name", value)
         module_name, name = target.rsplit(".", 1)
-        check_patched_name(sys.modules.get(module_name), name)
+        module = sys.modules.get(module_name)
     else:
-        check_patched_name(target, args[0] if args else kwargs.get("name"))
+        module, name = target, args[0] if args else kwargs.get("name")
+    check_patched_name(module, name)
+    check_cuda_fake(module, name)
     return unguarded_setattr(self, target, *args, **kwargs)
 
 

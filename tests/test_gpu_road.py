@@ -119,6 +119,7 @@ def test_every_attention_call_of_the_log_prob_forwards_runs_under_the_pin(digit_
 
 
 # ---- 6. the plan reads the memory this process can have ------------------------------------------------------
+@pytest.mark.fakes_cuda
 def test_the_plan_starts_from_free_memory_plus_what_this_process_holds(monkeypatch):
     GiB = plumbing.GiB
     # a "24 GB" card (22.5 GiB) with a display holding 1.5 GiB: our weights hold 2 GiB, the context 0.5, 18.5 free
@@ -131,6 +132,7 @@ def test_the_plan_starts_from_free_memory_plus_what_this_process_holds(monkeypat
 
 
 @needs_qwen
+@pytest.mark.fakes_cuda
 def test_a_card_shared_with_a_display_gets_a_smaller_plan(monkeypatch):
     config = plumbing.load_model_config(QWEN)
     n = plumbing.count_parameters(config)
@@ -168,8 +170,9 @@ def test_device_auto_without_a_gpu_refuses_the_default_settings_in_one_line(tiny
     assert plumbing.pick_device(pacs.Config(plan_only=True)).type == "cpu"  # the plan needs no device
 
 
+@pytest.mark.fakes_cuda
 def test_the_refusal_names_the_cause_torch_gives(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(plumbing, "visible_gpus", lambda: 0)
     monkeypatch.setattr(torch.version, "cuda", "13.0")  # a CUDA build, but the driver is older than it
 
     def old_driver():
@@ -212,12 +215,13 @@ def test_the_entropy_comes_from_the_log_probs_logits_and_equals_the_two_pass_val
 
 
 # ---- 3. expandable segments unless the user chose -----------------------------------------------------------
+@pytest.mark.fakes_cuda
 def test_cuda_gets_expandable_segments_unless_the_user_set_the_allocator(monkeypatch, capsys):
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.setenv(name, "")  # unset, as pacs.py reads it; restored after the test
     applied = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", applied.append)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(plumbing, "visible_gpus", lambda: 1)
     assert plumbing.pick_device(pacs.Config()).type == "cuda"
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert applied == ["expandable_segments:True"]
@@ -227,7 +231,7 @@ def test_cuda_gets_expandable_segments_unless_the_user_set_the_allocator(monkeyp
     assert plumbing.use_expandable_segments() is False and applied == []
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
     assert "as given: {'PYTORCH_CUDA_ALLOC_CONF': 'backend:cudaMallocAsync'}" in capsys.readouterr().err
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU road: nothing set
+    monkeypatch.setattr(plumbing, "visible_gpus", lambda: 0)  # the CPU road: nothing set
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     plumbing.pick_device(pacs.Config(device="cpu"))
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
@@ -327,6 +331,7 @@ def test_resumed_sizes_keep_the_checkpoints_unless_the_flag_changed(capsys):
 
 
 # ---- 1, 2. the check's own measurements: both peaks, a real allocator cap ----------------------------------------
+@pytest.mark.fakes_cuda
 def test_the_check_reads_generates_peak_and_resets_it_so_the_update_has_its_own(monkeypatch):
     import gpu_step
     allocator = {"now": 0, "peak": 0}
@@ -350,6 +355,7 @@ def test_the_check_reads_generates_peak_and_resets_it_so_the_update_has_its_own(
     assert gpu_step.peak_bytes(torch.device("cuda")) == 6
 
 
+@pytest.mark.fakes_cuda
 def test_memory_gib_caps_the_allocator_at_what_that_card_leaves_it(monkeypatch):
     import gpu_step
     caps = []

@@ -332,6 +332,7 @@ def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
     assert "measured / plan" in proc.stdout and "projected 300 steps" in proc.stdout
 
 
+@pytest.mark.fakes_cuda
 def test_gpu_benchmark_reports_reserved_memory_and_the_devices_count(monkeypatch):
     # fragmentation shows in the allocator's reserved peak and the device's own count, not in the allocated peak
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

@@ -96,17 +96,19 @@ def test_resume_reproduces_an_uninterrupted_run(digit_model, const7_file, tmp_pa
     assert strip_timing(resumed) == strip_timing(full)
 
 
+@pytest.mark.fakes_cuda
 def test_resume_on_a_machine_with_fewer_gpus_restores_the_ones_present(digit_model, const7_file, tmp_path,
                                                                       monkeypatch, capsys):
-    # a checkpoint from a 2-GPU machine resumed where 1 is visible: device 0 gets its state back, no error
+    # a checkpoint from a 2-GPU machine resumed where 1 is visible: device 0 gets its state back, no error. One GPU
+    # is faked where the run reads it (plumbing.visible_gpus): torch's own code, AdamW's step among it, sees the
+    # machine as it is, so the CPU run trains as on any CPU, on a CUDA build of torch too.
     run(digit_model, const7_file, tmp_path, "--steps", "1", "--save-every", "1")
     path = tmp_path / "checkpoint-000000" / "trainer_state.pt"
     state = torch.load(path, weights_only=False)
     saved = [torch.full((16,), i, dtype=torch.uint8) for i in range(2)]
     torch.save({**state, "rng_cuda": saved}, path)
     restored = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(plumbing, "visible_gpus", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device: restored.append((s, device)))
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: saved[:1])  # what the next checkpoint saves
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -335,6 +337,25 @@ def test_a_patch_of_a_name_the_module_does_not_define_fails():
         check_patched_name(pacs, "flag")
     check_patched_name(plumbing, "flag")
     check_patched_name(pacs, "train_step")
+
+
+def test_a_patch_that_fakes_cuda_is_declared_and_never_reaches_into_torch(request, monkeypatch):
+    """conftest's CUDA guard: torch.cuda.is_available and device_count are refused (torch's own code reads them; on a
+    CUDA build without a driver AdamW's step then raises); a fake of plumbing.visible_gpus or a CUDA call needs the
+    fakes_cuda marker, which this test lacks; other patches pass."""
+    import conftest
+    for name in conftest.TORCH_READS:
+        with pytest.raises(pytest.fail.Exception, match=rf"torch.cuda.{name}: .*patch plumbing.visible_gpus"):
+            conftest.check_cuda_fake(torch.cuda, name)
+    for module, name in ((plumbing, "visible_gpus"), (torch.cuda, "mem_get_info"), (torch.version, "cuda")):
+        with pytest.raises(pytest.fail.Exception, match=r"fakes CUDA: mark the test @pytest.mark.fakes_cuda"):
+            conftest.check_cuda_fake(module, name)
+    conftest.check_cuda_fake(plumbing, "load_model")
+    conftest.check_cuda_fake(torch.nn.functional, "softmax")
+    assert conftest.cuda_faked == {"item": request.node, "faked": False}
+    request.node.add_marker(pytest.mark.fakes_cuda)  # marked: the same patch passes and counts as a fake
+    monkeypatch.setattr(plumbing, "visible_gpus", lambda: 1)
+    assert plumbing.resolve_device("auto").type == "cuda" and conftest.cuda_faked["faked"]
 
 
 def test_one_step_reads_without_a_closure_and_fills_no_buffer_in_place():
