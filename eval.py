@@ -55,6 +55,8 @@ from verify import extract_answer
 class EvalConfig:  # flags parsed by plumbing.parse_flags (HfArgumentParser), as pacs.py's Config
     model: str = flag("", "hub id, local dir or checkpoint (a --lora-rank one: the base it names, with the "
                       "adapter), .gguf file, or 'smollm2'")
+    base: str = flag("", "a --lora-rank checkpoint's base model, where the path its adapter records is not "
+                     "here (a hub id or a local copy)")
     protocol: Literal["default", "v2"] = flag(
         "default", "the value of --datasets, --n, --k, --temperature, --top-p and --max-new-tokens left "
         "unset: default (math500,amc23,aime24,aime25; n 16; k 1, 2, 4, ... n; T 0.6; top-p 0.95; 1,024 "
@@ -302,7 +304,7 @@ def planned_batch_size(args, device, prompt_tokens, saved):
         return saved
     if device.type != "cuda":
         return 64
-    config = plumbing.load_model_config(args.model)
+    config = plumbing.load_model_config(args.model, args.base)
     n_params = plumbing.count_parameters(config)
     cfg = pacs.Config(group_size=1, max_prompt_tokens=prompt_tokens, max_new_tokens=args.max_new_tokens,
                       rollout_dtype="bf16", static_cache="on" if args.static_cache else "off")
@@ -362,7 +364,7 @@ def evaluate(args):
         if device.type == "cuda":  # generate on the kernels of pacs.py's rollouts
             plumbing.set_cuda_kernels()
         model, tokenizer = plumbing.load_model(args.model, device, torch.bfloat16 if device.type == "cuda" else
-                                           torch.float32)
+                                               torch.float32, args.base)
         prompt_tokens = 0  # the longest prompt, counted only where the plan or the static cache needs it
         if args.static_cache or (args.batch_size == 0 and not saved_batch_size and device.type == "cuda"):
             render = lambda p: plumbing.build_prompt(tokenizer, p["problem"], args.prompt, args.thinking)  # noqa: E731

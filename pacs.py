@@ -89,7 +89,8 @@ class Config:
     lora_rank: int = flag(0, "LoRA (peft) at this rank on --lora-targets, the base frozen in the rollout "
                           "dtype (bf16 on CUDA); 0 = full fine-tuning, the paper's (docs/lora.md)")
     lora_alpha: float = flag(0.0, "LoRA's alpha: the adapter adds (alpha / rank) B A x; 0 = twice the rank")
-    lora_targets: str = flag(plumbing.LORA_TARGETS, "the Linear layers LoRA wraps, by name, comma-separated")
+    lora_targets: str = flag(plumbing.LORA_TARGETS, "the Linears LoRA wraps, by name, comma-separated; "
+                             "all-linear: all but the LM head, as peft reads it (Qwen: these seven)")
     prompt: Literal["official", "v2"] = flag("official", "official: the code's one user turn; v2: after "
                                              "paper v2's system turn (App. C.1)")
     thinking: bool = flag(True, "Qwen3's template thinks, as in v2's C.1 prompt; --no-thinking: an empty "

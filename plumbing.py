@@ -274,13 +274,16 @@ def resolve_model_path(name):
     return name
 
 
-def load_model(name, device="cpu", dtype=torch.float32):
+def load_model(name, device="cpu", dtype=torch.float32, base=""):
     """(model, tokenizer) from a hub id, a local dir, a .gguf file or 'smollm2'. Left padding for generate. A
-    directory with a LoRA adapter (a --lora-rank checkpoint) loads the base it names, in dtype, with the adapter."""
+    directory with a LoRA adapter (a --lora-rank checkpoint) loads the base it names (or `base`, where that is not
+    here: an adapter trained on a local base records its absolute path), in dtype, with the adapter."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    base = adapter_base(name)
-    if base is not None:
-        model, tokenizer = load_model(base, device, dtype)
+    if adapter_base(name) is not None:
+        try:
+            model, tokenizer = load_model(checked_base(name, base), device, dtype)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (the base of the adapter in {name}; --base points to another copy)") from None
         return load_adapter(model, name).eval(), tokenizer
     name = resolve_model_path(name)
     try:
@@ -299,10 +302,11 @@ def load_model(name, device="cpu", dtype=torch.float32):
     return model.to(device), tokenizer
 
 
-def load_model_config(name):
-    """The architecture (config.json) of what load_model would load, without its weights (an adapter's: its base's)."""
+def load_model_config(name, base=""):
+    """The architecture (config.json) of what load_model would load, without its weights (an adapter's: its base's,
+    or `base`'s as in load_model)."""
     from transformers import AutoConfig
-    name = adapter_base(name) or resolve_model_path(name)
+    name = checked_base(name, base) if adapter_base(name) is not None else resolve_model_path(name)
     try:
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
@@ -339,7 +343,7 @@ def load_value_model(cfg, path, device):
         for p in critic.parameters():  # fresh run, critic/ on a resumed one, and CPU kernels round by alignment
             p.data = p.data.clone()
     if cfg.gradient_checkpointing:
-        critic.activation_checkpointing_enable()
+        enable_checkpointing(critic)
     return critic.to(device).eval()
 
 
@@ -498,6 +502,7 @@ def setup_model(cfg, path, device):
     # run's checkpoint holds the adapter alone)
     resuming = path != cfg.model and os.path.isfile(os.path.join(path, "trainer_state.pt"))  # a checkpoint of --model
     check_checkpoint_kind(cfg, path, resuming)
+    lora_lr_note(cfg)
     base = cfg.model if cfg.lora_rank and resuming else path
     model_config = load_model_config(base)  # the plan, before any weight loads
     sizes, _ = plan_memory(cfg, model_config, count_parameters(model_config), device.type)
@@ -507,7 +512,7 @@ def setup_model(cfg, path, device):
     else:
         model, tokenizer = load_model(path, device, torch.float32)
     if cfg.gradient_checkpointing:
-        model.activation_checkpointing_enable()
+        enable_checkpointing(model)
     model.eval()
     # generate() runs on a copy in the rollout dtype (bf16 on CUDA: bf16 matmuls and a bf16 KV cache),
     # refreshed from the fp32 weights after every step; old_logprobs still come from the training model. With an
@@ -523,6 +528,18 @@ def setup_model(cfg, path, device):
             print("[compile] --compile-layers acts on full rows' forwards; the plan shares each group's prompt (its "
                   "KV cache: eager), so the layers run eager: add --full-rows on", file=sys.stderr)
     return model, rollout_model, tokenizer, sizes
+
+
+def enable_checkpointing(model):
+    """--gradient-checkpointing: each decoder layer's activations recomputed in the backward, said in full rather than
+    left to transformers' defaults. Non-reentrant (torch.utils.checkpoint's use_reentrant=False): the recompute
+    follows autograd's graph, so the gradient reaches the parameters inside each layer, an adapter's among them. The
+    embedding's output hooked to require grad (enable_input_require_grads): reentrant checkpointing passes a
+    gradient into a layer only where the layer's input requires one, which a frozen base's embedding alone would
+    not, and the adapter would get none (tests/test_lora.py shows both)."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.disable_input_require_grads()  # transformers hooks the embedding itself on input_ids models: once, here
+    model.enable_input_require_grads()
 
 
 def check_checkpoint_kind(cfg, path, resuming):
@@ -550,27 +567,32 @@ def set_up_lever(fn, *args):
 # LoRA (--lora-rank, peft): the adapter on a frozen base, its frozen pi_ref, its checkpoints, the merged export
 # =====================================================================================================
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen2/Qwen3/Llama's projections
+ALL_LINEAR = "all-linear"  # peft's and TRL's shorthand: every Linear but the LM head
 
 
-def lora_targets(cfg):
-    return [name.strip() for name in cfg.lora_targets.split(",") if name.strip()]
-
-
-def check_lora_targets(model, targets):
-    """A one-line ConfigError naming each of --lora-targets that no Linear of the model is called."""
-    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    missing = [t for t in targets if t not in names]
+def lora_targets(flag_value, model):
+    """The names of the Linears --lora-targets wraps in model: the names given, comma-separated, or for all-linear
+    every Linear's but the LM head's, as peft resolves it (Qwen2/Qwen3/Llama: the seven projections). A one-line
+    ConfigError naming each given name that no Linear of the model is called."""
+    head = model.get_output_embeddings()
+    linears = {name.rsplit(".", 1)[-1]: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    if flag_value.strip() == ALL_LINEAR:
+        return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and m is not head})
+    targets = [name.strip() for name in flag_value.split(",") if name.strip()]
+    missing = [t for t in targets if t not in linears]
     if missing or not targets:
         raise ConfigError(f"--lora-targets {','.join(missing) or '(none)'}: {type(model).__name__} has no Linear of "
-                          f"that name (its Linears: {', '.join(sorted(names))})")
+                          f"that name (its Linears: {', '.join(sorted(linears))}; or {ALL_LINEAR})")
+    return targets
 
 
-def lora_config(cfg):
-    """peft's LoraConfig of the run: rank, alpha (0: twice the rank), the target projections, no dropout (a dropout
-    would make phase 4's forward differ from phase 3's, and psi != 0 at lr 0), no bias."""
+def lora_config(cfg, targets):
+    """peft's LoraConfig of the run: rank, alpha (0: twice the rank), the target Linears' names (lora_targets), no
+    dropout (a dropout would make phase 4's forward differ from phase 3's, and psi != 0 at lr 0), no bias."""
     from peft import LoraConfig
-    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,
-                      target_modules=lora_targets(cfg), lora_dropout=0.0, bias="none")
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank, target_modules=targets,
+                      lora_dropout=0.0, bias="none")
 
 
 def adapter_base(path):
@@ -582,21 +604,49 @@ def adapter_base(path):
         return json.load(f).get("base_model_name_or_path") or ""
 
 
+# What the first lab's scan found for PACS's adapter (docs/lora.md#the-learning-rate; experiments/lora_scan.py): the
+# line a --lora-rank run prints at the default --lr, full fine-tuning's
+LORA_LR_FOUND = ("in the first lab PACS's adapter learned best at lr {r1} (rank 1) and {r16} (rank 16), "
+                 "{ratio} full fine-tuning's best there (1e-4)")
+LORA_LR_SCAN = {"r1": "2e-3", "r16": "5e-4", "ratio": "5 to 20 times"}
+
+
+def lora_lr_note(cfg):
+    """One line where a --lora-rank run trains at the default --lr: that lr is full fine-tuning's (the paper's), and
+    an adapter wants a larger one (the first lab's scan)."""
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "lr")
+    if cfg.lora_rank and cfg.lr == default:
+        print(f"[lora] --lr {cfg.lr:g} is full fine-tuning's default (the paper's); "
+              + LORA_LR_FOUND.format(**LORA_LR_SCAN) + ": pass --lr (docs/lora.md#the-learning-rate)", file=sys.stderr)
+
+
+def checked_base(checkpoint, base=""):
+    """The base an adapter checkpoint loads on: `base` (--base) where given, else the one adapter_config.json names.
+    A recorded local path that is not on this machine is a one-line ConfigError naming --base."""
+    recorded = adapter_base(checkpoint)
+    if base:
+        return base
+    if os.path.isabs(recorded) and not os.path.exists(recorded):
+        raise ConfigError(f"{checkpoint}'s adapter was trained on {recorded}, which is not here: pass the base "
+                          f"model with --base (a hub id or a local copy of the same model)")
+    return recorded
+
+
 def add_adapter(cfg, model, checkpoint=None):
     """The PeftModel to train: a new LoRA adapter on model (peft's init: A random, B = 0, so it starts as the base),
     or a checkpoint's adapter; only the adapter requires grad. A checkpoint made with another rank, alpha or targets
     is a ConfigError."""
     from peft import get_peft_model
-    check_lora_targets(model, lora_targets(cfg))
+    asked = lora_config(cfg, lora_targets(cfg.lora_targets, model))
     if checkpoint is None:
         with peft_quietly():
-            return get_peft_model(model, lora_config(cfg))
+            return get_peft_model(model, asked)
     model = load_adapter(model, checkpoint, trainable=True)
     base = adapter_base(checkpoint)
     if base and os.path.abspath(base) != os.path.abspath(model.get_base_model().name_or_path) and base != cfg.model:
         print(f"[lora] {checkpoint}'s adapter names the base {base}; resuming on --model {cfg.model} (same shapes)",
               file=sys.stderr)
-    saved, asked = model.peft_config["default"], lora_config(cfg)
+    saved = model.peft_config["default"]
     shape = lambda config: (config.r, config.lora_alpha, set(config.target_modules))  # noqa: E731
     if shape(saved) != shape(asked):
         raise ConfigError(f"{checkpoint} holds a rank-{saved.r} adapter (alpha {saved.lora_alpha}, on "
@@ -670,15 +720,15 @@ def load_trained_state(model, state):
 
 def lora_linears(c, cfg):
     """(in, out) features of each Linear --lora-targets wraps in a model of config c (built on the meta device)."""
-    return _lora_linears(c.to_json_string(), type(c), tuple(lora_targets(cfg)))
+    return _lora_linears(c.to_json_string(), type(c), cfg.lora_targets)
 
 
 @functools.cache
-def _lora_linears(config_json, config_class, targets):
+def _lora_linears(config_json, config_class, lora_targets_flag):
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config_class.from_dict(json.loads(config_json)))
-    check_lora_targets(model, targets)
+    targets = lora_targets(lora_targets_flag, model)
     return tuple((m.in_features, m.out_features) for name, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
 
@@ -688,14 +738,19 @@ def adapter_parameters(c, cfg):
     return sum(cfg.lora_rank * (fan_in + fan_out) for fan_in, fan_out in lora_linears(c, cfg)) if cfg.lora_rank else 0
 
 
-def merge_adapter(checkpoint, out_dir):
-    """Write an adapter checkpoint merged into its base (W + (alpha / r) B A, in fp32) as a plain HF checkpoint."""
-    model, tokenizer = load_model(checkpoint)
-    if not is_adapter(model):
+def merge_adapter(checkpoint, out_dir, base="", fp32=False):
+    """Write an adapter checkpoint merged into its base as a plain HF checkpoint: W + (alpha / r) B A in the base's
+    own dtype (config.json's; bf16 for Qwen, half of fp32's disk and memory), the fp32 adapter's product added to
+    the loaded weight and rounded once; fp32: loaded, merged and written in fp32. base: as load_model's."""
+    if adapter_base(checkpoint) is None:
         raise ConfigError(f"{checkpoint} holds no adapter (no adapter_config.json): it is a plain checkpoint already")
-    model.merge_and_unload().save_pretrained(out_dir)
+    dtype = torch.float32 if fp32 else getattr(load_model_config(checkpoint, base), "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model, tokenizer = load_model(checkpoint, dtype=dtype, base=base)
+    model.merge_and_unload().to(dtype).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    print(f"[merge] {checkpoint} merged into its base {adapter_base(checkpoint)} -> {out_dir}", file=sys.stderr)
+    print(f"[merge] {checkpoint} merged into its base {checked_base(checkpoint, base)} in {str(dtype)[6:]} -> "
+          f"{out_dir}", file=sys.stderr)
     return out_dir
 
 
@@ -1557,12 +1612,15 @@ def main(argv=None):
     import argparse
     parser = argparse.ArgumentParser(prog="plumbing.py", description=main.__doc__.split(": ", 1)[1])
     commands = parser.add_subparsers(dest="command", required=True)
-    merge = commands.add_parser("merge", help="write an adapter checkpoint merged into its base (fp32)")
+    merge = commands.add_parser("merge", help="write an adapter checkpoint merged into its base, in the base's dtype")
     merge.add_argument("checkpoint", help="a checkpoint-NNNNNN of a --lora-rank run (adapter_config.json)")
     merge.add_argument("out", help="the directory the merged model and tokenizer are written to")
+    merge.add_argument("--base", default="", help="the base model, where the path the adapter records is not here")
+    merge.add_argument("--fp32", action="store_true", help="load, merge and write in fp32 (default: the base's "
+                       "own dtype, config.json's: bf16 for Qwen)")
     args = parser.parse_args(argv)
     try:
-        merge_adapter(args.checkpoint, args.out)
+        merge_adapter(args.checkpoint, args.out, args.base, args.fp32)
     except ConfigError as e:
         sys.exit(f"plumbing.py: error: {e}")
 

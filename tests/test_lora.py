@@ -99,9 +99,15 @@ def test_only_the_adapter_moves_and_only_it_sits_in_adamw(digit_model, const7_fi
     assert in_adamw == {id(p) for n, p in model.named_parameters() if "lora_" in n}
 
 
-def run_recording(model_dir, out_dir, monkeypatch, *extra):
-    """pacs.main for 1 step at --lr 0 with a random adapter; every pacs_loss input and the base's dtypes recorded."""
+def run_recording(model_dir, out_dir, monkeypatch, *extra, steps=1, refs=None):
+    """pacs.main for `steps` steps at --lr 0 with a random adapter; every pacs_loss input and the base's dtypes
+    recorded, and in refs (a list) whether each step's phase 3 scored r_hat against a frozen pi_ref."""
     calls, real_loss, real_add, dtypes = [], pacs.algo_loss, plumbing.add_adapter, set()
+    real_reference = pacs.reference_logprobs
+
+    def reference_logprobs(cfg, model, ref_model, *args, **kwargs):
+        (refs if refs is not None else []).append(ref_model is not None)
+        return real_reference(cfg, model, ref_model, *args, **kwargs)
 
     def algo_loss(cfg, logprobs, old_logprobs, mask, rewards, advantages=None):
         calls.append((logprobs.detach().clone(), old_logprobs.clone(), mask.clone()))
@@ -116,9 +122,10 @@ def run_recording(model_dir, out_dir, monkeypatch, *extra):
     monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers, pool=None: torch.tensor(
         [float(i % 2) for i in range(len(texts))]))
     monkeypatch.setattr(plumbing, "add_adapter", add_adapter)
+    monkeypatch.setattr(pacs, "reference_logprobs", reference_logprobs)
     pacs.main(["--model", model_dir, "--dataset", "synthetic", "--out-dir", str(out_dir), "--group-size", str(G),
                "--prompts-per-step", str(P), "--num-mini-batches", str(M), "--max-new-tokens", "10",
-               "--temperature", "1.5", "--lr", "0", "--weight-decay", "0", "--steps", "1", "--eval-every", "0",
+               "--temperature", "1.5", "--lr", "0", "--weight-decay", "0", "--steps", str(steps), "--eval-every", "0",
                "--log-samples-every", "0", "--save-every", "0", "--save-minutes", "0", "--lora-rank", "4",
                "--autocast", "bf16", "--rollout-dtype", "bf16", *extra])
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -141,14 +148,53 @@ def test_psi_is_exactly_zero_at_lr_0_with_a_random_adapter_on_a_bf16_base(wide_m
                                                                           algo):
     if algo != "pacs" and ("pi_ref" in route or "compiled" in route):
         pytest.skip("--ref-reset-every is PACS's; one compiled run is enough")
-    calls, rows, dtypes = run_recording(wide_model, tmp_path, monkeypatch, "--algo", algo, *ROUTES[route])
+    # the frozen pi_ref is pi_old at step 0 (train_loop passes it from step 1 on): that route runs 3 steps, so that
+    # phase 3 scores r_hat against the frozen copy, a module of its own whose forward must equal pi_theta's
+    steps, refs = (3 if "pi_ref" in route else 1), []
+    calls, rows, dtypes = run_recording(wide_model, tmp_path, monkeypatch, "--algo", algo, *ROUTES[route],
+                                        steps=steps, refs=refs)
     assert dtypes == {torch.bfloat16}  # the base stored in bf16, as --rollout-dtype bf16 (CUDA's auto) keeps it
-    assert len(calls) >= M
+    assert len(calls) >= M * steps and len(rows) == steps
+    assert refs == ([False, True, True] if "pi_ref" in route else [False])
     for logprobs, old, mask in calls:
         assert torch.equal(logprobs[mask.bool()], old[mask.bool()]), f"{route}: pi_theta != pi_old at lr 0"
         assert logprobs[mask.bool()].abs().max() > 0
     if algo == "pacs":
         assert all(r["psi_std"] == 0.0 and r["sigma_psi"] == 0.5 for r in rows)
+
+
+def adapter_gradients(model_dir, roll, rewards, checkpointing, reentrant_without_hook=False):
+    """The adapter's gradient of PACS's loss on the rollout's rows, on full rows (the route checkpointing takes) with
+    a random adapter, psi != 0. reentrant_without_hook: transformers' reentrant checkpointing and no input hook."""
+    cfg = lora_cfg(model_dir, gradient_checkpointing=checkpointing and not reentrant_without_hook, full_rows="on")
+    model, _, _, sizes = plumbing.setup_model(cfg, model_dir, torch.device("cpu"))
+    randomize_adapter(model).train()
+    if reentrant_without_hook:  # in place of plumbing.enable_checkpointing: transformers hooks the input, unhooked
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        model.disable_input_require_grads()
+        cfg.gradient_checkpointing = True  # the route: full rows, as with the flag
+    b, mask = roll["response_ids"].shape[0], roll["response_mask"].float()
+    lp, _ = pacs.response_logprobs(model, *plumbing.rollout_rows(roll, slice(0, b)),
+                                   **plumbing.step_route(cfg, slice(0, b), sizes))
+    pacs.pacs_loss(lp, lp.detach() - 0.05 * mask, mask, rewards, G).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_checkpointing_gives_the_adapter_the_gradient_it_gets_without(digit_model, digit_rollout):
+    roll, rewards = digit_rollout
+    plain = adapter_gradients(digit_model, roll, rewards, checkpointing=False)
+    checkpointed = adapter_gradients(digit_model, roll, rewards, checkpointing=True)
+    assert plain.keys() == checkpointed.keys() and len(plain) == 2 * 7 * 2  # A and B of 14 Linears
+    for name, grad in plain.items():
+        assert grad is not None and grad.abs().max() > 0, name
+        # the recompute repeats the forward's fp32 arithmetic on the CPU: the same gradient (measured: bit-equal)
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-6, atol=1e-9)
+    # what enable_checkpointing's explicit settings guard: reentrant checkpointing with the embedding's output not
+    # requiring grad (a frozen base) runs each layer without a graph, so the adapter gets no gradient: here nothing
+    # of the loss requires one and backward refuses (with a trained head or embedding the adapter's would be None)
+    with pytest.raises(RuntimeError, match="does not require grad"), \
+            pytest.warns(UserWarning, match="None of the inputs have requires_grad=True. Gradients will be None"):
+        adapter_gradients(digit_model, roll, rewards, checkpointing=True, reentrant_without_hook=True)
 
 
 def test_the_random_adapter_does_change_the_policy(wide_model):
@@ -184,9 +230,11 @@ def test_a_reset_copies_the_adapter_and_clears_adamw_on_a_shared_base(wide_model
 
 
 def test_a_resume_continues_exactly(digit_model, const7_file, tmp_path):
+    # pi_ref is reset at steps 0 and 3 (K = 3) and the run is cut after step 1: the resumed step 2 scores r_hat against
+    # the pi_ref the checkpoint restores (the adapter of step 0, not the resumed one), so a resume that forgot it differs
     argv = ["--model", digit_model, "--dataset", const7_file, "--group-size", "8", "--prompts-per-step", "8",
             "--num-mini-batches", "2", "--max-new-tokens", "2", "--lr", "1e-2", "--eval-every", "0",
-            "--lora-rank", "4", "--temperature", "1.5", "--ref-reset-every", "2", "--log-samples-every", "0"]
+            "--lora-rank", "4", "--temperature", "1.5", "--ref-reset-every", "3", "--log-samples-every", "0"]
     straight = tmp_path / "straight"
     pacs.main(argv + ["--out-dir", str(straight), "--steps", "4"])
     cut = tmp_path / "cut"
@@ -333,3 +381,67 @@ def test_setup_model_puts_the_adapter_on_the_model_it_is_given(digit_model):
     model, rollout, _, _ = plumbing.setup_model(cfg, digit_model, torch.device("cpu"))
     assert plumbing.is_adapter(model) and rollout is model
     assert model.get_base_model().name_or_path == os.path.abspath(digit_model)
+
+
+def test_all_linear_wraps_what_peft_wraps_every_linear_but_the_head(digit_model):
+    from peft import LoraConfig, get_peft_model
+    base, _ = plumbing.load_model(digit_model)
+    ours = plumbing.add_adapter(lora_cfg(digit_model, lora_targets="all-linear"), copy.deepcopy(base))
+    with plumbing.peft_quietly():
+        peft_own = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    wrapped = lambda m: sorted(n for n, mod in m.named_modules() if hasattr(mod, "lora_A"))  # noqa: E731
+    assert wrapped(ours) == wrapped(peft_own) and len(wrapped(ours)) == 2 * 7
+    assert not any("lm_head" in n for n in wrapped(ours))
+    # on Qwen2 all-linear is the default's seven projections, and the plan counts the same adapter
+    assert plumbing.lora_targets("all-linear", base) == sorted(plumbing.LORA_TARGETS.split(","))
+    n_adapter = sum(p.numel() for n, p in ours.named_parameters() if "lora_" in n)
+    assert plumbing.adapter_parameters(base.config, lora_cfg(digit_model, lora_targets="all-linear")) == n_adapter
+
+
+def make_adapter_checkpoint(base_dir, out, seed=1):
+    """A --lora-rank checkpoint's files (adapter, tokenizer) on base_dir, with a random adapter (B != 0)."""
+    base, tok = plumbing.load_model(base_dir)
+    randomize_adapter(plumbing.add_adapter(lora_cfg(base_dir), base), seed).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def test_merge_writes_the_bases_own_dtype_unless_asked_for_fp32(digit_model, tmp_path):
+    from safetensors.torch import load_file
+    base, tok = plumbing.load_model(digit_model)
+    bf16_base = tmp_path / "bf16_base"
+    base.to(torch.bfloat16).save_pretrained(bf16_base)  # config.json's dtype: bfloat16, as Qwen's hub checkpoints
+    tok.save_pretrained(bf16_base)
+    checkpoint = make_adapter_checkpoint(str(bf16_base), tmp_path / "adapter")
+    plumbing.main(["merge", checkpoint, str(tmp_path / "merged")])
+    plumbing.main(["merge", checkpoint, str(tmp_path / "merged32"), "--fp32"])
+    merged, merged32 = (load_file(tmp_path / d / "model.safetensors") for d in ("merged", "merged32"))
+    assert {t.dtype for t in merged.values()} == {torch.bfloat16}
+    assert {t.dtype for t in merged32.values()} == {torch.float32}
+    # the bf16 merge is W + (alpha / r) B A rounded once to bf16: the fp32 merge rounded (W is bf16 in both)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(merged[name], merged32[name].to(torch.bfloat16))
+    adapter = plumbing.load_model(checkpoint, dtype=torch.float32)[0]
+    q = adapter.base_model.model.model.layers[0].self_attn.q_proj
+    by_hand = q.base_layer.weight + 2.0 * q.lora_B["default"].weight @ q.lora_A["default"].weight
+    torch.testing.assert_close(merged32[name], by_hand, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(merged32[name], q.base_layer.weight)  # the adapter added something
+
+
+def test_a_checkpoint_whose_base_moved_loads_with_base(digit_model, const7_file, tmp_path, capsys):
+    import shutil
+    import eval as pacs_eval
+    moved = tmp_path / "base_here_first"
+    shutil.copytree(digit_model, moved)
+    checkpoint = make_adapter_checkpoint(str(moved), tmp_path / "adapter")
+    assert plumbing.adapter_base(checkpoint) == str(moved)  # the absolute path of the machine it was trained on
+    shutil.rmtree(moved)  # another machine: the recorded base is not there
+    evaluate = ["--model", checkpoint, "--datasets", const7_file, "--n", "1", "--k", "1", "--max-new-tokens", "4",
+                "--device", "cpu", "--out", str(tmp_path / "eval")]
+    for main, argv in ((pacs_eval.main, evaluate), (plumbing.main, ["merge", checkpoint, str(tmp_path / "m")])):
+        with pytest.raises(SystemExit, match=r"adapter was trained on .*base_here_first, which is not here: pass the "
+                                             r"base model with --base"):
+            main(argv)
+    pacs_eval.main(evaluate + ["--base", digit_model])
+    plumbing.main(["merge", checkpoint, str(tmp_path / "m"), "--base", digit_model])
+    assert os.path.isfile(tmp_path / "eval" / "metrics.json") and os.path.isfile(tmp_path / "m" / "model.safetensors")
