@@ -343,7 +343,8 @@ def compile_layers(model, device):
     shared prompt's cached forwards stay eager. One graph serves every layer, its weights the graph's inputs
     (regional compilation: a layer's compile, not the whole decoder's), dynamic in rows and length (one row, and a
     mask or none, are graphs of their own). psi = 0 at --lr 0 needs phases 3 and 4 on the same graph: response_hidden
-    runs phase 3's forward as phase 4 runs it (as_in_training), and a frozen pi_ref keeps requires_grad (train)."""
+    runs phase 3's forward as phase 4 runs it (as_in_training), and a frozen pi_ref keeps requires_grad
+    (plumbing.frozen_copy, made in pacs.train_loop)."""
     decoder = model.get_decoder()  # the decoder stack, of a causal LM or through a PeftModel
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):

@@ -436,7 +436,7 @@ def _number_words(s: str) -> str:
     return str(value * (_SCALES[scale] if scale else 1))
 
 
-def _normalize(s: str) -> str:
+def normalize(s: str) -> str:
     """Canonical spelling of an answer string (spaces kept, collapsed)."""
     s = _undouble(s)
     for k, v in _UNICODE.items():
@@ -503,7 +503,7 @@ def _normalize(s: str) -> str:
     return s
 
 
-def _squash(s: str) -> str:
+def squash(s: str) -> str:
     """Remove spaces, except the one that ends a command before a letter (`\\pi r`)."""
     return re.sub(r"(\\[a-zA-Z]+)\s+(?=[a-zA-Z])|\s+", lambda m: m.group(1) + " " if m.group(1) else "", s)
 
@@ -556,7 +556,7 @@ def _wrapped(s: str) -> bool:
 
 def _is_name(s: str) -> bool:
     """A variable (`x`, `a_1`, `\\theta`, `f(x)`) or a tuple of them (`(p,q)`)."""
-    s = _squash(s)
+    s = squash(s)
     if s.startswith("(") and s.endswith(")"):
         return all(_NAME.fullmatch(p) for p in s[1:-1].split(","))
     return bool(_NAME.fullmatch(s)) and s not in ("\\pi", "\\infty", "e", "i")
@@ -573,7 +573,7 @@ def _label(s: str):
     """What an answer names, canonically, or None: a variable (`x`, `a_n`, `f(x)`, `(p,q)`), a
     segment (`PQ` = `|QP|` = `\\overline{PQ}`), an angle (`\\angle ABC`), an area (`[ABC]`),
     or a ratio of those (`\\frac{AM}{MC}`, `AM/MC`, `S_1 : S_2`)."""
-    s = _squash(s)
+    s = squash(s)
     if _is_name(s):
         return s
     m = re.fullmatch(r"\\frac\{([^{}]+)\}\{([^{}]+)\}|([^/:]+)/([^/:]+)", s)
@@ -680,11 +680,11 @@ def _abs_intervals(exprs: list, ops: list):
     `2 \\le |x| \\le 5` is `[-5, -2] \\cup [2, 5]`, `|x - 1| < 3` is `(-2, 4)`, `|x| > 1` is
     `(-\\infty, -1) \\cup (1, \\infty)`. `exprs` and `ops` are a chain written with `<` and `\\le`.
     None when the chain is not of that form or its bounds have no known sign."""
-    ks = [i for i, e in enumerate(exprs) if re.fullmatch(r"\|[^|]+\|", _squash(e))]
+    ks = [i for i, e in enumerate(exprs) if re.fullmatch(r"\|[^|]+\|", squash(e))]
     if len(ks) != 1 or len(exprs) > 3 or not all(_is_constant(e) for i, e in enumerate(exprs) if i != ks[0]):
         return None
     k = ks[0]
-    m = re.fullmatch(r"(.+?)(?:([+-])(.+))?", _squash(exprs[k])[1:-1])
+    m = re.fullmatch(r"(.+?)(?:([+-])(.+))?", squash(exprs[k])[1:-1])
     if not _is_name(m.group(1)) or m.group(1).startswith("(") or (m.group(3) and not _is_constant(m.group(3))):
         return None
     center = ("-" if m.group(2) == "+" else "") + m.group(3) if m.group(3) else "0"  # |x + 1| is the distance from -1
@@ -708,7 +708,7 @@ def _moved(center: str, sign: str, d: str):
     """The leaf `center ± d`, exact when both are plain numbers (`\\infty` stays infinite)."""
     if d == "\\infty":
         return ("leaf", "\\infty" if sign == "+" else "-\\infty")
-    c, x = _number(_squash(center)), _number(_squash(d))
+    c, x = _number(squash(center)), _number(squash(d))
     if c and x and not c[2] and not x[2]:
         return ("leaf", _tex(c[0] + x[0] if sign == "+" else c[0] - x[0]))
     return ("leaf", f"{center}{sign}({d})")
@@ -717,7 +717,7 @@ def _moved(center: str, sign: str, d: str):
 def _value(s: str):
     """The float value of a constant expression, when cheap to know, else None."""
     try:
-        t = _Tex(_squash(s))
+        t = _Tex(squash(s))
         v = t.expr()[2]
         return v if t.peek() is None else None
     except (_Refuse, IndexError, RecursionError, ValueError, OverflowError, TypeError):
@@ -799,7 +799,7 @@ def _matrix_expr(s: str):
 
 
 def _entry(c: str):
-    n = _number(_squash(c))
+    n = _number(squash(c))
     return n[0] if n and not n[2] and not n[1] else c  # exact numbers as Fraction (a decimal stays as written)
 
 
@@ -1244,10 +1244,10 @@ def _pow(base, exp):
     return (f"({base[0]})**({exp[0]})", digits, value if isinstance(value, float) and value == value else None)
 
 
-def _to_code(s: str):
+def to_code(s: str):
     """(python code, contains a decimal literal) for a leaf, or None when not translatable."""
     try:
-        tex = _Tex(_squash(s))
+        tex = _Tex(squash(s))
         code = tex.run()
         return code, tex.decimal
     except (_Refuse, IndexError, RecursionError, ValueError, OverflowError, TypeError):
@@ -1270,7 +1270,7 @@ def _text_value(s: str):
 
 
 def _leaf_equal(x: str, y: str, ctx) -> bool:
-    sx, sy = _squash(x), _squash(y)
+    sx, sy = squash(x), squash(y)
     if sx == sy:
         return True
     tx, ty = _text_value(x), _text_value(y)
@@ -1294,12 +1294,12 @@ def _leaf_equal(x: str, y: str, ctx) -> bool:
 
 
 def _sympy_equal(mode: str, x: str, y: str, ctx) -> bool:
-    cx, cy = _to_code(x), _to_code(y)
+    cx, cy = to_code(x), to_code(y)
     if cx is None or cy is None:
         return False
     # Only a bare decimal (`3.141593`) may stand for an irrational value to 6 places; an
     # expression that merely contains a decimal (`0.5\sqrt{2}`) is exact.
-    bare = [re.fullmatch(r"[-+]?(?:\d+\.\d*|\.\d+)", _squash(v)) is not None for v in (x, y)]
+    bare = [re.fullmatch(r"[-+]?(?:\d+\.\d*|\.\d+)", squash(v)) is not None for v in (x, y)]
     return _ask(mode, cx[0], cy[0], mode == "expr" and bare[0] != bare[1], ctx)
 
 
@@ -1387,7 +1387,7 @@ def _ratio_equal(r, o, ctx) -> bool:
     if o[0] == "ratio":
         if len(o[1]) != len(r[1]):
             return False
-        nums = [_number(_squash(p)) for p in r[1] + o[1]]
+        nums = [_number(squash(p)) for p in r[1] + o[1]]
         if all(n and not n[2] for n in nums):  # plain numbers: exact, in Python
             vals = [n[0] for n in nums]
             if 0 in vals or _clock(r[1]) or _clock(o[1]):
@@ -1397,7 +1397,7 @@ def _ratio_equal(r, o, ctx) -> bool:
                    for x, y in zip(r[1][1:], o[1][1:]))
     if o[0] == "leaf" and len(r[1]) == 2:
         x, y = r[1]
-        nx, ny = _number(_squash(x)), _number(_squash(y))
+        nx, ny = _number(squash(x)), _number(squash(y))
         if nx and ny and not nx[2] and not ny[2]:  # plain numbers: the exact quotient
             return ny[0] != 0 and _leaf_equal(_tex(nx[0] / ny[0]), o[1], ctx)
         return _leaf_equal(f"\\frac{{{x}}}{{{y}}}", o[1], ctx)
@@ -1478,10 +1478,10 @@ def _is_equiv(answer: str, gold: str, ctx) -> bool:
             return False
         if max(len(answer), len(gold)) > MAX_ANSWER:  # too big to be an answer: exact match only
             return answer.strip() == gold.strip() != ""
-        a, g = _normalize(answer), _normalize(gold)
+        a, g = normalize(answer), normalize(gold)
         if not a or not g:
             return False
-        if _squash(a) == _squash(g):
+        if squash(a) == squash(g):
             return True
         if max(_depth(a), _depth(g)) > MAX_DEPTH:
             return False  # too deep to parse: only an exact (normalised) match counts
@@ -1526,14 +1526,14 @@ def _names_value(answer: str, gold: str, ctx) -> bool:
     try:
         if max(len(answer), len(gold)) > MAX_ANSWER or _depth(gold) > MAX_DEPTH or "=" not in answer:
             return False
-        a = _normalize(answer)
+        a = normalize(answer)
         exprs, ops = _split_relation(a)
         if len(exprs) != 2 or ops != ["="]:
             return False
         names = re.sub(r"[_^]\{?[a-zA-Z0-9]\}?|\\cdot|[+\-*() ]", " ", exprs[0])
         if not re.fullmatch(r"[a-zA-Z ]+", names) or not _is_constant(exprs[1]) or not exprs[1].strip():
             return False
-        g = _parse(_normalize(gold))
+        g = _parse(normalize(gold))
         return g is not None and g[0] not in ("eq", "assign", "rel", "record") and _is_equiv(exprs[1], gold, ctx)
     except Exception:  # noqa: BLE001
         return False
@@ -1544,7 +1544,7 @@ def _spread_over_boxes(s: str, gold: str, ctx) -> bool:
     (A response that also boxes anything else, a candidate or a step, is not read this way.)"""
     if len(gold) > MAX_ANSWER or _depth(gold) > MAX_DEPTH:
         return False
-    node = _parse(_normalize(gold))
+    node = _parse(normalize(gold))
     k = len(node[1]) if node and node[0] in ("set", "record") else 0
     if not 1 < k <= MAX_ITEMS:
         return False
@@ -1552,7 +1552,7 @@ def _spread_over_boxes(s: str, gold: str, ctx) -> bool:
     for _, _, content in _boxes(s):
         if len(content) > MAX_ANSWER:
             return False  # too big to be one of the answers
-        seen.setdefault(_squash(_normalize(content)), content.strip())
+        seen.setdefault(squash(normalize(content)), content.strip())
         if len(seen) > k:
             return False
     return len(seen) == k and _is_equiv(", ".join(seen.values()), gold, ctx)
@@ -1567,9 +1567,9 @@ def _spread_over_boxes(s: str, gold: str, ctx) -> bool:
 # kills it: nothing it does can hang or exhaust the caller. subprocess (not multiprocessing)
 # also works inside daemonic multiprocessing workers.
 
-_W = {"proc": None, "buf": b""}
+WORKER = {"proc": None, "buf": b""}
 _LOCK = threading.Lock()
-_CACHE: dict = {}
+VERDICT_CACHE: dict = {}
 
 
 def _undefined(x, sympy) -> bool:
@@ -1708,7 +1708,7 @@ def _worker_main() -> None:
 
 
 def _stop_worker() -> None:
-    proc, _W["proc"], _W["buf"] = _W["proc"], None, b""
+    proc, WORKER["proc"], WORKER["buf"] = WORKER["proc"], None, b""
     if proc is not None:
         try:
             proc.kill()
@@ -1726,7 +1726,7 @@ def _forget_worker_after_fork() -> None:
     """A forked child must not share its parent's worker (or a lock held at fork time)."""
     global _LOCK
     _LOCK = threading.Lock()
-    proc, _W["proc"], _W["buf"] = _W["proc"], None, b""
+    proc, WORKER["proc"], WORKER["buf"] = WORKER["proc"], None, b""
     if proc is not None:
         for f in (proc.stdin, proc.stdout):
             try:
@@ -1741,16 +1741,16 @@ atexit.register(_stop_worker)
 
 
 def _readline(deadline: float):
-    fd = _W["proc"].stdout.fileno()
-    while b"\n" not in _W["buf"]:
+    fd = WORKER["proc"].stdout.fileno()
+    while b"\n" not in WORKER["buf"]:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
             return None
         chunk = os.read(fd, 4096)
         if not chunk:
             return None  # the worker died
-        _W["buf"] += chunk
-    line, _, _W["buf"] = _W["buf"].partition(b"\n")
+        WORKER["buf"] += chunk
+    line, _, WORKER["buf"] = WORKER["buf"].partition(b"\n")
     return line
 
 
@@ -1759,9 +1759,9 @@ def _request(payload: dict, ctx):
     Only the time spent inside the lock counts against the comparison's budget: waiting
     for another thread's request is not this comparison's sympy work."""
     with _LOCK:
-        if _W["proc"] is None or _W["proc"].poll() is not None:
+        if WORKER["proc"] is None or WORKER["proc"].poll() is not None:
             _stop_worker()
-            _W["proc"] = subprocess.Popen(
+            WORKER["proc"] = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--worker"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
             if _readline(time.monotonic() + 120) != b"ready":  # importing sympy: not timed
@@ -1769,8 +1769,8 @@ def _request(payload: dict, ctx):
                 return None
         start = time.monotonic()
         try:
-            _W["proc"].stdin.write(json.dumps(payload | {"t": ctx["left"]}).encode() + b"\n")
-            _W["proc"].stdin.flush()
+            WORKER["proc"].stdin.write(json.dumps(payload | {"t": ctx["left"]}).encode() + b"\n")
+            WORKER["proc"].stdin.flush()
             line = _readline(start + ctx["left"] + 0.5)  # the worker stops itself at t; this is the backstop
         except OSError:
             line = None
@@ -1782,15 +1782,15 @@ def _request(payload: dict, ctx):
 
 def _ask(mode: str, ca: str, cb: str, approx: bool, ctx) -> bool:
     key = (mode, ca, cb, approx)
-    if key in _CACHE:
-        return _CACHE[key]
+    if key in VERDICT_CACHE:
+        return VERDICT_CACHE[key]
     if ctx["left"] <= 0:
         return False
     line = _request({"m": mode, "a": ca, "b": cb, "x": approx}, ctx)
     if line in (b"1", b"0", b"E"):  # timeouts are not cached: they depend on the load
-        if len(_CACHE) > 50_000:
-            _CACHE.clear()
-        _CACHE[key] = line == b"1"
+        if len(VERDICT_CACHE) > 50_000:
+            VERDICT_CACHE.clear()
+        VERDICT_CACHE[key] = line == b"1"
     return line == b"1"
 
 

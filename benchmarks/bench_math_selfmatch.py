@@ -91,7 +91,7 @@ def main():
 
 def cross_check(verify, rows, shift):
     def plain(g):  # normalised, squashed, without a leading `x =`
-        return re.sub(r"^[a-zA-Z]=", "", verify._squash(verify._normalize(g)))
+        return re.sub(r"^[a-zA-Z]=", "", verify.squash(verify.normalize(g)))
 
     n, kinds = len(rows), {"same": [], "equal": [], "percent": [], "review": []}
     for i, r in enumerate(rows):

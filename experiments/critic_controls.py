@@ -105,10 +105,10 @@ def control_algo_loss(cfg, logprobs, old_logprobs, mask, rewards, advantages=Non
 
 def _train_step(cfg, model, tokenizer, optimizer, problems, step, *args, **kwargs):
     _state["step"], _state["call"] = step, 0
-    return _original["train_step"](cfg, model, tokenizer, optimizer, problems, step, *args, **kwargs)
+    return ORIGINAL["train_step"](cfg, model, tokenizer, optimizer, problems, step, *args, **kwargs)
 
 
-_original = {"train_step": pacs.train_step, "algo_loss": pacs.algo_loss}
+ORIGINAL = {"train_step": pacs.train_step, "algo_loss": pacs.algo_loss}
 
 
 def check_control(control, out_dir, resume):
@@ -149,7 +149,7 @@ def main(argv=None):
     try:
         pacs.main(rest)
     finally:
-        pacs.algo_loss, pacs.train_step = _original["algo_loss"], _original["train_step"]
+        pacs.algo_loss, pacs.train_step = ORIGINAL["algo_loss"], ORIGINAL["train_step"]
         _state["control"] = None
 
 

@@ -199,7 +199,7 @@ def parameter_counts(model_dir):
     return {"policy": count(policy), "value_model": count(value)}
 
 
-def _algo(flags):
+def algo_of(flags):
     return flags[flags.index("--algo") + 1] if "--algo" in flags else "pacs"
 
 
@@ -304,7 +304,7 @@ def efficiency_entry(summary, lab_dir, runs, notes):
     parameters = None
     if counts:
         parameters = {m: {"policy": counts["policy"], "value_model": counts["value_model"]
-                          if _algo(flags) == "ppo" else 0} for m, flags in sorted(settings["pacs_flags"].items())}
+                          if algo_of(flags) == "ppo" else 0} for m, flags in sorted(settings["pacs_flags"].items())}
     return {"window": WINDOW, "gain_share": GAIN_SHARE,
             "samples_per_step": settings["prompts"] * settings["group_size"], "parameters": parameters,
             "runs": [{k: r[k] for k in ("method", "seed", "mean_reward", "steps_to_half_gain", "samples_to_half_gain",

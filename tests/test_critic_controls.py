@@ -148,7 +148,7 @@ def test_a_control_run_differs_from_pacs_and_critic_off_only_after_the_first_min
     differ = lambda a, b: any(not torch.equal(weights[a][k], weights[b][k]) for k in weights[a])
     assert differ("pacs", "off")  # mini-batch 1 saw psi != 0
     assert differ("class", "pacs") and differ("class", "off") and differ("group", "class")
-    assert pacs.algo_loss is cc._original["algo_loss"] and pacs.train_step is cc._original["train_step"]
+    assert pacs.algo_loss is cc.ORIGINAL["algo_loss"] and pacs.train_step is cc.ORIGINAL["train_step"]
     rows = [json.loads(line) for line in open(tmp_path / "class" / "metrics.jsonl")]
     assert rows[0]["psi_std"] > 0  # the run logs sigma(psi)'s own metrics, as PACS's do
     # the same control again from scratch: the same weights (the permutation is seeded by the run, step and call)

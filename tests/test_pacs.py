@@ -308,10 +308,26 @@ def imported(tree):
             yield node.module.split(".")[0], [alias.name for alias in node.names]
 
 
+def project_files():
+    """The project's own .py files (a virtual environment inside the checkout left out)."""
+    return [p for p in glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True)
+            if not any(part.startswith(".venv") for part in os.path.relpath(p, ROOT).split(os.sep))]
+
+
+def private_reads(tree):
+    """module._name reads of another of the project's files (module: a name an `import` bound to one of them)."""
+    ours = {os.path.splitext(os.path.basename(p))[0] for p in project_files()}
+    bound = {alias.asname or alias.name: alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names if alias.name in ours}
+    return sorted({f"{bound[n.value.id]}.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                   and isinstance(n.value, ast.Name) and n.value.id in bound
+                   and n.attr.startswith("_") and not n.attr.startswith("__")})
+
+
 def test_imports_run_one_way():
     """pacs.py -> plumbing.py -> levers.py, never back up (python pacs.py loads its file once); levers.py is a leaf of
-    torch and transformers; no _private name is imported across files; pacs.py calls the other two by their
-    module's name, so that one patch of plumbing.load_model reaches every caller."""
+    torch and transformers; no _private name is imported or read (module._name) across files; pacs.py calls the
+    other two by their module's name, so that one patch of plumbing.load_model reaches every caller."""
     allowed = {"pacs.py": {"plumbing", "levers", "verify"}, "plumbing.py": {"levers"}, "levers.py": set()}
     for path, may in allowed.items():
         _, tree = top_level_lines(path)
@@ -320,11 +336,12 @@ def test_imports_run_one_way():
         if path == "levers.py":
             outside = {module for module, _ in imported(tree)} - set(sys.stdlib_module_names)
             assert outside == {"torch", "transformers"}, outside
-    for path in glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True):
+    for path in project_files():
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
         for module, names in imported(tree):
             assert not (module in PROJECT_MODULES and any(n.startswith("_") for n in names)), (path, module, names)
+        assert not private_reads(tree), (path, private_reads(tree))
     _, tree = top_level_lines("pacs.py")
     from_imports = [names for module, names in imported(tree) if module in {"plumbing", "levers"} and names]
     assert from_imports == [["flag"]]  # the field helper Config's lines use, nothing a test would patch

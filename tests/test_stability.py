@@ -261,7 +261,7 @@ def check_stability_schema(summary):
     if ef["parameters"] is not None:
         assert set(ef["parameters"]) == set(settings["lr"])
         for m, c in ef["parameters"].items():  # a value model beside the policy for PPO alone
-            ppo = stability._algo(settings["pacs_flags"][m]) == "ppo"
+            ppo = stability.algo_of(settings["pacs_flags"][m]) == "ppo"
             assert c["policy"] > 0 and (c["value_model"] > c["policy"] if ppo else c["value_model"] == 0)
 
 

@@ -198,7 +198,7 @@ def test_math500_golds():
         assert verify.verify(f"... so the answer is $\\boxed{{{g}}}$.", g), g
     shifted = golds[1:] + golds[:1]  # a different gold is (almost always) a different answer
     equal = [(a, g) for a, g in zip(shifted, golds)
-             if verify.is_equiv(a, g) and verify._normalize(a) != verify._normalize(g)]
+             if verify.is_equiv(a, g) and verify.normalize(a) != verify.normalize(g)]
     assert len(equal) <= 2, equal
 
 
@@ -321,7 +321,7 @@ def test_refused_before_sympy():
     assert not verify.verify("\\(" * 50_000, "1") and not verify.verify("\\[" * 50_000 + "1", "2")  # no regex rescans
     assert not verify.verify(r"\boxed{1}\text{" + " " * 50_000 + r"\boxed{2}", "1")
     assert time.monotonic() - start < 5
-    assert verify._to_code("10^{10^{10}}") is None and verify._to_code("2^{10}") is not None
+    assert verify.to_code("10^{10^{10}}") is None and verify.to_code("2^{10}") is not None
 
 
 def test_several_boxes_and_labels_stay_bounded():
@@ -355,7 +355,7 @@ def test_timeout_off_main_thread():
 
 def test_hung_worker_is_killed():
     verify.is_equiv("x+2", "2+x")
-    proc = verify._W["proc"]
+    proc = verify.WORKER["proc"]
     os.kill(proc.pid, signal.SIGSTOP)  # a worker that never answers (stuck in C code, say)
     try:
         start = time.monotonic()
@@ -389,7 +389,7 @@ def test_timeout_in_worker_processes(method):
 # --- import and CLI ---------------------------------------------------------------------------
 
 def test_import_is_light():
-    code = "import sys, verify; assert 'sympy' not in sys.modules; assert verify._W['proc'] is None"
+    code = "import sys, verify; assert 'sympy' not in sys.modules; assert verify.WORKER['proc'] is None"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
