@@ -407,6 +407,24 @@ def pacs_advantage(psi, rewards, group_size, balance=True, implicit_critic=True)
     return (y - y.mean(-1, keepdim=True)).reshape(-1)  # (B,)
 
 
+# sigma(psi) bin edges of the critic's reliability counts: psi is centred per group and small (|sigma - 1/2| ~ 0.03
+# at beta = 1 in the lab), so the bins are fine near 1/2 and coarse in the tails; symmetric about 1/2
+CALIBRATION_EDGES = (0.0, 0.3, 0.4, 0.45, 0.47, 0.48, 0.49, 0.5, 0.51, 0.52, 0.53, 0.55, 0.6, 0.7, 1.0)
+
+
+def calibration_counts(psi, rewards):
+    """Per sigma(psi) bin (CALIBRATION_EDGES): the responses, the sum of their sigma(psi), and how many were right
+    (host lists); summed over steps and runs they draw a reliability diagram: mean sigma(psi) against the
+    observed success rate, bin by bin."""
+    p = torch.sigmoid(psi.float())  # (B,)
+    edges = torch.tensor(CALIBRATION_EDGES[1:-1])  # inner edges
+    bins = torch.bucketize(p, edges, right=True)  # (B,) bin index; sigma exactly 1/2 falls in [0.5, 0.51)
+    k = len(CALIBRATION_EDGES) - 1
+    return {"n": torch.bincount(bins, minlength=k).tolist(),
+            "sigma": torch.zeros(k).index_add_(0, bins, p).tolist(),
+            "right": torch.bincount(bins, weights=(rewards > 0.5).float(), minlength=k).long().tolist()}
+
+
 def implicit_critic_metrics(psi, rewards, group_size, balance):
     """PACS's critic sigma(psi) on the rows where psi can be nonzero (host values, None where undefined): critic_auc
     (group_auc), critic_shift mean |sigma(psi) - 1/2|, critic_adv_change (critic_change), critic_calibration."""
@@ -418,7 +436,7 @@ def implicit_critic_metrics(psi, rewards, group_size, balance):
     return {"critic_auc": auc, "critic_pairs": pairs,
             "critic_shift": (torch.sigmoid(psi) - 0.5).abs().mean().item(),
             "critic_adv_change": (diff2 / base2).sqrt().item() if base2 > 0 else None,
-            "critic_calibration": plumbing.calibration_counts(psi.cpu(), rewards.cpu())}
+            "critic_calibration": calibration_counts(psi.cpu(), rewards.cpu())}
 
 
 # =====================================================================================================
@@ -455,8 +473,9 @@ def generate_exactly(model, generation_config, speed=levers.Levers(), **inputs):
 
 
 def generate_groups(model, tokenizer, prompts, group_size, gen_cfg, eos, pad, speed=levers.Levers()):
-    """One generate() call for a slice of prompts: (prompt_ids, prompt_mask, response_ids, response_mask, truncated).
-    speed: the run's levers (--static-cache: one KV cache of speed.cache_tokens tokens or more, allocated once)."""
+    """One generate() call for a slice of prompts: (prompt_ids, prompt_mask, response_ids, response_mask,
+    truncated). speed: the run's levers (--static-cache: one KV cache of speed.cache_tokens or, if longer, the prompts'
+    and responses' length, rounded up to whole blocks for flex, allocated once)."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     ids = enc["input_ids"].repeat_interleave(group_size, 0)  # (n*G, Lp)
     attn = enc["attention_mask"].repeat_interleave(group_size, 0)
@@ -486,7 +505,8 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
            greedy=False, batch_prompts=32, progress=False, sizes=None, speed=levers.Levers()):
     """group_size responses per prompt, rows i*G..i*G+G-1 of prompt i: prompt_ids, prompt_mask (N, Lp) left-padded,
     response_ids (N, T) (pad after the first EOS), response_mask (N, T) (1 up to and including it), truncated (N,).
-    batch_prompts per generate call (<= 0: all), halved out of memory (kept in sizes); speed: levers.on_device's."""
+    batch_prompts prompts per generate call (<= 0: all), halved out of memory (and kept in sizes, the run's
+    plumbing.Sizes). speed: the run's speed levers (levers.on_device); default: the plain generate."""
     eos, pad = plumbing.eos_token_ids(model, tokenizer), tokenizer.pad_token_id
     gen_cfg = rollout_generation_config(max_new_tokens, temperature, top_p, greedy, eos, pad)  # samples ~ pi_old
     n = batch_prompts if batch_prompts > 0 else len(prompts)
@@ -495,16 +515,14 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
     model.eval()
     chunks, start = [], 0
     bar = tqdm(total=len(prompts), desc="generate", leave=False, disable=not progress)
-
-    def next_chunk():  # the next calls.gen_batch_prompts prompts' groups, in one generate call
-        todo = prompts[start:start + calls.gen_batch_prompts]
-        return generate_groups(model, tokenizer, todo, group_size, gen_cfg, eos, pad, speed), len(todo)
-    while start < len(prompts):
-        chunk, done = plumbing.retry_smaller(cfg=None, sizes=calls, what="generate", model=None, fn=next_chunk,
-                                             size="gen_batch_prompts")
+    while start < len(prompts):  # the next calls.gen_batch_prompts prompts' groups, in one generate call
+        for attempt in plumbing.shrinking(None, calls, "generate", size="gen_batch_prompts"):
+            with attempt:
+                todo = prompts[start:start + calls.gen_batch_prompts]
+                chunk = generate_groups(model, tokenizer, todo, group_size, gen_cfg, eos, pad, speed)
         chunks.append(chunk)
-        bar.update(done)
-        start += done
+        bar.update(len(todo))
+        start += len(todo)
     bar.close()
     model.train(was_training)
     if sizes is not None and calls.gen_batch_prompts < n:  # the run's sizes keep the halving
@@ -626,6 +644,13 @@ def response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask,
     return hidden, response_mask[:, :T].bool()
 
 
+def scatter_response(values, keep, width):
+    """(b, width) float32: the n values of a log-prob forward (or of PPO's value head) back at the real response
+    tokens `keep` (b, T), zeros elsewhere; differentiable in the values."""
+    zeros = torch.zeros((keep.shape[0], width), dtype=torch.float32, device=keep.device)
+    return zeros.masked_scatter(F.pad(keep, (0, width - keep.shape[1])), values) if len(values) else zeros
+
+
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0,
                       with_entropy=False, group_size=1, chunk=plumbing.LOGITS_CHUNK, shared_prompt=True,
                       mask_right_padding=True, compiled_head=None):
@@ -640,8 +665,8 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     logprobs, entropy = head_logprobs(model.get_output_embeddings(), hidden, targets, temperature, with_entropy,
                                       chunk, compiled_head)  # (n,), (n,) or None
     width = response_ids.shape[1]
-    return (plumbing.scatter_response(logprobs, keep, width),
-            plumbing.scatter_response(entropy, keep, width) if with_entropy else None)
+    return (scatter_response(logprobs, keep, width),
+            scatter_response(entropy, keep, width) if with_entropy else None)
 
 
 def step_logprobs(cfg, model, roll, rows, sizes=None, with_entropy=False):
@@ -662,9 +687,11 @@ def step_logprobs(cfg, model, roll, rows, sizes=None, with_entropy=False):
 # =====================================================================================================
 def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model=None, critic=None,
                critic_optimizer=None, ref_model=None, sizes=None, verifier_pool=None):
-    """One step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: generate()'s weights
-    (default: model). critic, critic_optimizer: PPO's value model and its AdamW. ref_model: PACS's frozen pi_ref
-    (None: pi_old). sizes: a plumbing.Sizes (halved by OOM retries; default: cfg's). verifier_pool: a VerifierPool."""
+    """One step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: generate()'s weights (bf16
+    on CUDA; with --lora-rank the training model itself; default: model). critic, critic_optimizer: PPO's value model
+    and its AdamW. ref_model: PACS's frozen pi_ref between resets (None: pi_old). sizes: the batch sizes (a
+    plumbing.Sizes, halved by OOM retries; default: cfg's). verifier_pool: --verify-workers' processes (a
+    levers.VerifierPool; None: this process)."""
     G, M, sizes = cfg.group_size, cfg.num_mini_batches, sizes or plumbing.Sizes.typed(cfg)
     t0 = time.time()
     batch = [problems[i] for i in plumbing.batch_indices(step, len(problems), cfg.prompts_per_step, cfg.seed)]
@@ -682,9 +709,9 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     B, rows = len(texts), plumbing.rows_per_mini_batch(cfg)
     t_verify = time.time()
     # ---- 3. the reference of r_hat (ten lines: 3): pi_old's log-probs, or the frozen pi_ref's -----------
-    reference, entropy_sum = plumbing.retry_smaller(cfg, sizes, f"step {step}: old log-probs", None,
-                                                    reference_logprobs, cfg, model, ref_model, roll, sizes,
-                                                    device)  # (B, T), ()
+    for attempt in plumbing.shrinking(cfg, sizes, f"step {step}: old log-probs"):  # smaller out of memory
+        with attempt:
+            reference, entropy_sum = reference_logprobs(cfg, model, ref_model, roll, sizes, device)  # (B, T), ()
     lp_rows, t_ref = sizes.micro_batch_size, time.time()  # phase 3's rows per forward: phase 4 takes its route
     rewards, t_rewards = verdicts().to(device), time.time()  # (B,)
     ppo = value_model_targets(cfg, critic, roll, rewards, sizes, device, step) if critic is not None else None
@@ -698,9 +725,10 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
         first = m == 0 and ref_model is None  # mini-batch 0's own forward gives its pi_old log-probs
         what = f"step {step}: mini-batch {m}"
         advantages = ppo and ppo["advantages"]  # PPO's (B, T); None for the others
-        loss, psi, ent = plumbing.retry_smaller(cfg, sizes, what, model, accumulate_mini_batch, cfg, model, roll,
-                                                reference, mask, rewards, mini, first, device, advantages, lp_rows,
-                                                sizes)
+        for attempt in plumbing.shrinking(cfg, sizes, what, model):  # gradients cleared before each try
+            with attempt:
+                loss, psi, ent = accumulate_mini_batch(cfg, model, roll, reference, mask, rewards, mini, first, device,
+                                                       advantages, lp_rows, sizes)
         grad_norm, applied = optimizer_update(cfg, model, optimizer, what)  # clip (grpo, ppo), step
         entropy_sum += ent
         losses.append(loss)
@@ -815,8 +843,10 @@ def optimizer_update(cfg, model, optimizer, what):
 
 
 def reset_reference(cfg, step, model, ref_model, optimizer):
-    """Paper v2's pi_ref (--ref-reset-every K): the starting model at step 0; at steps K, 2K, ... pi_ref <- pi_theta,
-    AdamW cleared (not by --no-ref-reset-optimizer); K = 0: never. Returns whether pi_ref is this rollout's pi_old."""
+    """Paper v2's pi_ref (--ref-reset-every K): the starting model at step 0; at steps K, 2K, ... pi_ref <- pi_theta
+    and AdamW's moments and step counts are cleared (kept with --no-ref-reset-optimizer); K = 0 never resets. With
+    --lora-rank only the adapter is copied (the base is shared). Returns whether pi_ref is this rollout's pi_old
+    (always for K = 1, the official code)."""
     K = cfg.ref_reset_every
     if K == 1 or step == 0:
         return True
@@ -836,8 +866,9 @@ def value_model_targets(cfg, critic, roll, rewards, sizes, device, step):
     over the whole rollout (verl's compute_advantage runs before the mini-batches) with the outcome reward R on each
     response's last token; returns = advantages + values."""
     mask = roll["response_mask"].float()  # (B, T)
-    values = plumbing.retry_smaller(cfg, sizes, f"step {step}: values", None, rollout_values, cfg, critic, roll, sizes,
-                                    device)
+    for attempt in plumbing.shrinking(cfg, sizes, f"step {step}: values"):
+        with attempt:
+            values = rollout_values(cfg, critic, roll, sizes, device)  # (B, T)
     last = mask.sum(1).long() - 1  # (B,)
     token_rewards = torch.zeros_like(mask).scatter_(1, last[:, None], rewards[:, None].to(mask.dtype))
     advantages, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam)  # (B, T), (B, T)
@@ -856,8 +887,10 @@ def value_model_step(cfg, critic, critic_optimizer, roll, ppo, mini, device, siz
     """The value model's optimizer step on the rows `mini`, after the actor's (whose gradients optimizer_update has
     freed: one model's at a time). Returns ((value loss, clipped tokens), grad norm, applied)."""
     critic.train()
-    out = plumbing.retry_smaller(cfg, sizes, what, critic, accumulate_critic, cfg, critic, roll, ppo["values"],
-                                 ppo["returns"], roll["response_mask"].float(), mini, device, sizes)
+    for attempt in plumbing.shrinking(cfg, sizes, what, critic):
+        with attempt:
+            out = accumulate_critic(cfg, critic, roll, ppo["values"], ppo["returns"], roll["response_mask"].float(),
+                                    mini, device, sizes)
     norm, applied = optimizer_update(cfg, critic, critic_optimizer, what)
     critic.eval()
     return out, norm, applied
@@ -889,7 +922,7 @@ def response_values(critic, prompt_ids, prompt_mask, response_ids, response_mask
                                    shared_prompt, mask_right_padding)
     with torch.autocast(hidden.device.type, enabled=False):
         values = critic.score(hidden[keep].float()).squeeze(-1)  # (n,)
-    return plumbing.scatter_response(values, keep, response_ids.shape[1])
+    return scatter_response(values, keep, response_ids.shape[1])
 
 
 def step_values(cfg, critic, roll, rows, sizes=None):
@@ -920,7 +953,8 @@ def value_model_metrics(values, returns, mask, rewards, group_size, later, updat
 # The loop: seed, load, train_step after train_step, log, checkpoint
 # =====================================================================================================
 def make_optimizer(cfg, model, fused=True, lr=None):
-    """AdamW over the weights that train (--lora-rank: the adapter's) at cfg's lr (or lr); fused: ~6x faster a step."""
+    """AdamW over the weights that train (--lora-rank: the adapter's alone) with the config's lr (or lr), betas and
+    weight decay; fused by default (about 6x faster per step)."""
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr if lr is None else lr,
                              weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
 

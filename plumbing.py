@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 import levers
@@ -759,13 +758,6 @@ def merge_adapter(checkpoint, out_dir, base="", fp32=False):
 # =====================================================================================================
 
 
-def scatter_response(values, keep, width):
-    """(b, width) float32: the n values of a log-prob forward (or of PPO's value head) back at the real response
-    tokens `keep` (b, T), zeros elsewhere; differentiable in the values."""
-    zeros = torch.zeros((keep.shape[0], width), dtype=torch.float32, device=keep.device)
-    return zeros.masked_scatter(F.pad(keep, (0, width - keep.shape[1])), values) if len(values) else zeros
-
-
 def rollout_rows(roll, sl):
     """The rollout's rows sl as response_logprobs takes them: prompt/response ids and masks."""
     return [roll[k][sl] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
@@ -841,18 +833,36 @@ OOM_RETRY = {"micro_batch_size": ("with --micro-batch-size {0}: lower --max-new-
                                    "{1} prompts per generate call from now on")}
 
 
-def retry_smaller(cfg, sizes, what, model, fn, *args, size="micro_batch_size"):
-    """fn(*args), which reads sizes.<size>, with model's gradients cleared first (None: a pass without them). Out of
-    memory, sizes.<size> halves (a micro-batch to the next size the schedule allows), said on the progress bar, and
-    fn reruns from clean gradients; below one it is a one-line ConfigError. The failed call's tensors are dropped
-    outside `except`, whose traceback would keep them alive."""
+class Attempt:
+    """One try of a call under shrinking: a context manager whose exit swallows torch.OutOfMemoryError alone and keeps
+    its first line, not the exception, whose traceback's frames would keep the failed try's tensors alive."""
+    error = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        if kind is None or not issubclass(kind, torch.OutOfMemoryError):
+            return False  # success, or another error: it goes through
+        self.error = (str(value).splitlines() or [kind.__name__])[0]
+        return True
+
+
+def shrinking(cfg, sizes, what, model=None, size="micro_batch_size"):
+    """The tries of one call that reads sizes.<size>, the call in plain view where it is made:
+        for attempt in plumbing.shrinking(cfg, sizes, what, model):
+            with attempt:
+                loss, psi, ent = accumulate_mini_batch(...)
+    model's gradients are cleared before each try (None: a pass without them). Out of memory, sizes.<size> halves (a
+    micro-batch to the next size the schedule allows), said on the progress bar, and the call runs again from clean
+    gradients; below one it is a one-line ConfigError naming what to change. Any other error goes through."""
     while True:
         if model is not None:
             model.zero_grad(set_to_none=True)
-        try:
-            return fn(*args)
-        except torch.OutOfMemoryError as e:
-            error = (str(e).splitlines() or [type(e).__name__])[0]
+        attempt = Attempt()
+        yield attempt
+        if attempt.error is None:
+            return
         if model is not None:
             model.zero_grad(set_to_none=True)  # the partial gradients go before the cache is emptied
         now = getattr(sizes, size)
@@ -860,7 +870,7 @@ def retry_smaller(cfg, sizes, what, model, fn, *args, size="micro_batch_size"):
         smaller = [s for s in allowed if s <= now // 2]
         fails, said = OOM_RETRY[size]
         if not smaller:
-            raise ConfigError(f"out of memory in {what} " + fails.format(now, error))
+            raise ConfigError(f"out of memory in {what} " + fails.format(now, attempt.error))
         tqdm.write(f"[memory] out of memory in {what}: " + said.format(now, smaller[-1]))
         setattr(sizes, size, smaller[-1])
         if visible_gpus():
@@ -1280,24 +1290,6 @@ def latest_checkpoint(out_dir):
 # =====================================================================================================
 # Watching a run: the step line, metrics.jsonl, --report-to's trackers, OUT/curves.png
 # =====================================================================================================
-
-
-# sigma(psi) bin edges of the critic's reliability counts: psi is centred per group and small (|sigma - 1/2| ~ 0.03
-# at beta = 1 in the lab), so the bins are fine near 1/2 and coarse in the tails; symmetric about 1/2
-CALIBRATION_EDGES = (0.0, 0.3, 0.4, 0.45, 0.47, 0.48, 0.49, 0.5, 0.51, 0.52, 0.53, 0.55, 0.6, 0.7, 1.0)
-
-
-def calibration_counts(psi, rewards):
-    """Per sigma(psi) bin (CALIBRATION_EDGES): the responses, the sum of their sigma(psi), and how many were right
-    (host lists); summed over steps and runs they draw a reliability diagram: mean sigma(psi) against the
-    observed success rate, bin by bin."""
-    p = torch.sigmoid(psi.float())  # (B,)
-    edges = torch.tensor(CALIBRATION_EDGES[1:-1])  # inner edges
-    bins = torch.bucketize(p, edges, right=True)  # (B,) bin index; sigma exactly 1/2 falls in [0.5, 0.51)
-    k = len(CALIBRATION_EDGES) - 1
-    return {"n": torch.bincount(bins, minlength=k).tolist(),
-            "sigma": torch.zeros(k).index_add_(0, bins, p).tolist(),
-            "right": torch.bincount(bins, weights=(rewards > 0.5).float(), minlength=k).long().tolist()}
 
 
 def step_metrics(step, roll, rewards, mask, group_size, entropy_sum, losses, grad_norms, skipped, psi):

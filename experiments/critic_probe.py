@@ -33,9 +33,10 @@ def rollout_updates(cfg, model, optimizer, roll, rewards, device):
     out = []
     for m in range(cfg.num_mini_batches):
         mini = slice(m * rows, (m + 1) * rows)
-        loss, psi, _ = plumbing.retry_smaller(cfg, sizes, f"mini-batch {m}", model, pacs.accumulate_mini_batch, cfg,
-                                              model, roll, old_logprobs, mask, rewards, mini, m == 0, device, None,
-                                              None, sizes)
+        for attempt in plumbing.shrinking(cfg, sizes, f"mini-batch {m}", model):
+            with attempt:
+                loss, psi, _ = pacs.accumulate_mini_batch(cfg, model, roll, old_logprobs, mask, rewards, mini, m == 0,
+                                                          device, None, None, sizes)
         pacs.optimizer_update(cfg, model, optimizer, f"mini-batch {m}")
         out.append((psi, float(loss)))
     model.eval()

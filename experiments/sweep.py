@@ -11,6 +11,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import pacs  # noqa: E402  (CALIBRATION_EDGES: the critic's reliability bins a run logs)
 import plumbing  # noqa: E402  (latest_checkpoint: the done-check reads pacs.py's own checkpoint layout)
 import lab  # noqa: E402  (the machine a result ran on)
 import eval as eval_py  # noqa: E402  (changed_settings: eval.py refuses a rerun with other settings alike)
@@ -210,7 +211,7 @@ def pooled_calibration(rows):
     logged = [r["critic_calibration"] for r in rows if r.get("critic_calibration")]
     if not logged:
         return None
-    return {"edges": list(plumbing.CALIBRATION_EDGES),
+    return {"edges": list(pacs.CALIBRATION_EDGES),
             **{k: [round(sum(c[k][i] for c in logged), 4) for i in range(len(logged[0][k]))]
                for k in ("n", "sigma", "right")}}
 

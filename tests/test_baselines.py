@@ -503,7 +503,9 @@ def test_the_applied_update_is_the_clipped_gradient_when_its_norm_is_above_max_g
     scale = norm / torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in direction]))
     before = [p.detach().clone() for p in layer.parameters()]
     backward = lambda: sum((p * d * scale).sum() for p, d in zip(layer.parameters(), direction)).backward()
-    plumbing.retry_smaller(cfg, plumbing.Sizes.typed(cfg), "test", layer, backward)
+    for attempt in plumbing.shrinking(cfg, plumbing.Sizes.typed(cfg), "test", layer):
+        with attempt:
+            backward()
     grad_norm, applied = pacs.optimizer_update(cfg, layer, torch.optim.SGD(layer.parameters(), lr=1.0), "test")
     assert applied and grad_norm == pytest.approx(norm, rel=1e-5)  # the norm before clipping is what is logged
     for b, p, d in zip(before, layer.parameters(), direction):

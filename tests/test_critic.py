@@ -99,8 +99,8 @@ def test_calibration_counts_bin_sigma_psi_and_count_the_right_responses():
     torch.manual_seed(0)
     psi = torch.cat([torch.randn(200) * 0.1, torch.randn(50) * 2, torch.zeros(6), torch.tensor([-30.0, 30.0])])  # (B,)
     rewards = (torch.rand(len(psi)) < 0.6).float()  # (B,)
-    c = plumbing.calibration_counts(psi, rewards)
-    edges, k = plumbing.CALIBRATION_EDGES, len(plumbing.CALIBRATION_EDGES) - 1
+    c = pacs.calibration_counts(psi, rewards)
+    edges, k = pacs.CALIBRATION_EDGES, len(pacs.CALIBRATION_EDGES) - 1
     n, sigma, right = [0] * k, [0.0] * k, [0] * k
     for p, r in zip(torch.sigmoid(psi).tolist(), rewards.tolist()):
         b = next(i for i in range(k) if edges[i] <= p < edges[i + 1] or i == k - 1)

@@ -231,7 +231,7 @@ def test_a_reset_copies_the_adapter_and_clears_adamw_on_a_shared_base(wide_model
 
 def test_a_resume_continues_exactly(digit_model, const7_file, tmp_path):
     # pi_ref is reset at steps 0 and 3 (K = 3) and the run is cut after step 1: the resumed step 2 scores r_hat
-    # against the pi_ref the checkpoint restores (step 0's adapter, not the resumed one): a resume that forgot it differs
+    # against the pi_ref the checkpoint restores (step 0's adapter, not the resumed one), which a resume must not lose
     argv = ["--model", digit_model, "--dataset", const7_file, "--group-size", "8", "--prompts-per-step", "8",
             "--num-mini-batches", "2", "--max-new-tokens", "2", "--lr", "1e-2", "--eval-every", "0",
             "--lora-rank", "4", "--temperature", "1.5", "--ref-reset-every", "3", "--log-samples-every", "0"]

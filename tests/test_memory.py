@@ -109,6 +109,35 @@ def test_out_of_memory_in_the_update_halves_the_micro_batch_and_loses_no_step(di
         assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
 
+def test_a_try_swallows_out_of_memory_alone_from_clean_gradients_and_keeps_none_of_its_tensors():
+    import weakref
+    cfg = pacs.Config(group_size=4, prompts_per_step=4, num_mini_batches=1, micro_batch_size=4)
+    sizes, layer, tries, held = plumbing.Sizes.typed(cfg), torch.nn.Linear(3, 1), [], []
+    layer.weight.grad = torch.ones_like(layer.weight)  # a stale gradient: cleared before the first try
+
+    def step(rows):  # a forward and backward that runs out of memory above one row
+        assert all(ref() is None for ref in held), "a failed try's tensors outlive it"
+        tries.append((rows, layer.weight.grad))
+        big = torch.ones(1000)  # a tensor of the try: once it fails, only its traceback's frames would hold it
+        held.append(weakref.ref(big))
+        layer(torch.ones(1, 3)).sum().backward()
+        if rows > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)\nmore lines")
+    for attempt in plumbing.shrinking(cfg, sizes, "test", layer):
+        with attempt:
+            step(sizes.micro_batch_size)
+    assert tries == [(4, None), (2, None), (1, None)]  # halved each time, each from clean gradients
+    with pytest.raises(plumbing.ConfigError, match=r"out of memory in test with --micro-batch-size 1: .*\(CUDA out "
+                                                   r"of memory \(simulated\)\)$"):
+        for attempt in plumbing.shrinking(cfg, sizes, "test"):
+            with attempt:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    with pytest.raises(ValueError, match="not a memory error"):  # any other error goes through, at once
+        for attempt in plumbing.shrinking(cfg, plumbing.Sizes.typed(cfg), "test"):
+            with attempt:
+                raise ValueError("not a memory error")
+
+
 def generate_fitting(monkeypatch, most):
     """pacs.generate_groups raises a simulated CUDA OOM on more than `most` prompts: the list of call sizes."""
     real, calls = pacs.generate_groups, []

@@ -289,7 +289,7 @@ def test_pacs_py_reads_in_order_and_keeps_the_plumbing_and_levers_beside_it():
     plumbing_line, _ = top_level_lines("plumbing.py")
     levers_line, _ = top_level_lines("levers.py")
     for name in ("load_problems", "load_model", "plan_memory", "save_checkpoint", "Trackers", "parse_flags",
-                 "retry_smaller"):
+                 "shrinking"):
         assert name in plumbing_line and name not in line, name
     for name in ("decoding", "static_cache", "folded_gqa_attention", "GumbelNoise", "compile_layers",
                  "VerifierPool", "on_device"):
@@ -377,14 +377,21 @@ def test_a_patch_that_fakes_cuda_is_declared_and_never_reaches_into_torch(reques
 
 
 def test_one_step_reads_without_a_closure_and_fills_no_buffer_in_place():
-    """train_step's retries wrap from below (retry_smaller takes the function and its arguments): no lambda in the
-    reader's path; and pi_old's log-probs flow as values, in reference_logprobs and inside accumulate_mini_batch,
-    never written into a tensor in place."""
+    """train_step's phases are plain calls (a retry is `for attempt in plumbing.shrinking(...): with attempt:` around
+    the call, never the function handed over with its arguments): no lambda and no function passed as an argument
+    in the reader's path; and pi_old's log-probs flow as values, in reference_logprobs and inside
+    accumulate_mini_batch, never written into a tensor in place."""
     with open(os.path.join(ROOT, "pacs.py"), encoding="utf-8") as f:
         tree = ast.parse(f.read())
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     for name in ("train_step", "accumulate_mini_batch", "reference_logprobs", "optimizer_update"):
         assert not any(isinstance(n, ast.Lambda) for n in ast.walk(funcs[name])), name
+    handed = [a.id for name in ("sample", "train_step", "value_model_targets", "value_model_step")
+              for n in ast.walk(funcs[name]) if isinstance(n, ast.Call) for a in n.args
+              if isinstance(a, ast.Name) and a.id in funcs]
+    # a pacs.py function handed to another to call back: only the reward, whose handle lets the verifier's processes
+    # run beside phase 3 (levers.verify_beside) until reward_fn itself takes the pool and returns the handle
+    assert handed == ["reward_fn"], handed
     for name in ("accumulate_mini_batch", "reference_logprobs"):  # the reference flows as values, in both phases
         writes = [t for n in ast.walk(funcs[name]) if isinstance(n, (ast.Assign, ast.AugAssign))
                   for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Subscript)]

@@ -735,8 +735,8 @@ def test_the_reliability_figures_best_beta_is_the_validation_scans(tmp_path):
 
 
 def pacs_edges():
-    import plumbing
-    return plumbing.CALIBRATION_EDGES
+    import pacs
+    return pacs.CALIBRATION_EDGES
 
 
 def test_lab_scan_picks_each_methods_best_mean_validation_pass1(tmp_path, capsys):
