@@ -686,19 +686,21 @@ def step_logprobs(cfg, model, roll, rows, sizes=None, with_entropy=False):
 # One training step: sample, verify, pi_old log-probs, M updates, metrics (README: PACS in ten lines)
 # =====================================================================================================
 def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model=None, critic=None,
-               critic_optimizer=None, ref_model=None, sizes=None, verifier_pool=None):
+               critic_optimizer=None, ref_model=None, sizes=None, verifier_pool=None, speed=None):
     """One step: sample a rollout, verify it, then M optimizer steps on it. rollout_model: generate()'s weights (bf16
     on CUDA; with --lora-rank the training model itself; default: model). critic, critic_optimizer: PPO's value model
     and its AdamW. ref_model: PACS's frozen pi_ref between resets (None: pi_old). sizes: the batch sizes (a
     plumbing.Sizes, halved by OOM retries; default: cfg's). verifier_pool: --verify-workers' processes (a
-    levers.VerifierPool; None: this process)."""
+    levers.VerifierPool; None: this process). speed: the run's levers, worked out once per run (levers.on_device;
+    default: cfg's on this device)."""
     G, M, sizes = cfg.group_size, cfg.num_mini_batches, sizes or plumbing.Sizes.typed(cfg)
+    speed = speed or levers.on_device(cfg, device.type)
     t0 = time.time()
     batch = [problems[i] for i in plumbing.batch_indices(step, len(problems), cfg.prompts_per_step, cfg.seed)]
     prompts = plumbing.prompts_of(tokenizer, batch)  # each problem's prompt (--prompt, --thinking)
     # ---- 1. sample: G responses per prompt from pi_old (PACS in ten lines: 1) ---------------------------
     roll = sample(rollout_model or model, tokenizer, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                  batch_prompts=sizes.gen_batch_prompts, sizes=sizes, speed=levers.on_device(cfg, device.type))
+                  batch_prompts=sizes.gen_batch_prompts, sizes=sizes, speed=speed)
     roll = {k: v.to(device) for k, v in roll.items()}
     t_gen = time.time()
     # ---- 2. verify: R in {0, 1} per response (ten lines: 2); with verifier processes, beside phase 3 ------
@@ -997,7 +999,7 @@ def train_loop(cfg, device, speed, verifier_pool):
         ref_is_old = reset_reference(cfg, step, model, ref_model, optimizer)
         metrics, examples = train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout_model,
                                        critic, critic_optimizer, None if ref_is_old else ref_model, sizes,
-                                       verifier_pool)
+                                       verifier_pool, speed)
         t0 = time.time()
         if rollout_model is not model:
             plumbing.copy_weights(rollout_model, model)

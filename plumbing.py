@@ -467,21 +467,12 @@ def check_finite(values, what, prompt_mask):
                           "left-padded prompt (NaN from the attention kernel on rows of padding? see docs/gpu.md)")
 
 
-def autocast_dtype(cfg, device_type):
-    """The dtype of the training forwards' matmuls under --autocast: bf16 on CUDA by default (fp32 master weights,
-    bf16 matmuls); on the CPU fp32 unless --autocast bf16 asks for CUDA's rounding. None: no autocast."""
-    return levers.on_device(cfg, device_type).autocast
-
-
 def autocast_context(cfg, device):
-    """torch.autocast of the training forwards (autocast_dtype), or a context that does nothing."""
-    dtype = autocast_dtype(cfg, device.type)
+    """torch.autocast of the training forwards, or a context that does nothing: levers.on_device's autocast, bf16 on
+    CUDA by default (fp32 master weights, bf16 matmuls), on the CPU none unless --autocast bf16 asks for CUDA's
+    rounding."""
+    dtype = levers.on_device(cfg, device.type).autocast
     return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-
-
-def rollout_torch_dtype(cfg, device_type):
-    """The dtype of the weights generate runs on (--rollout-dtype; auto: bf16 on CUDA, fp32 on the CPU)."""
-    return levers.on_device(cfg, device_type).rollout_dtype
 
 
 def setup_model(cfg, path, device):
@@ -952,8 +943,9 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
     """Predicted bytes of each part of a step's peak, for model config c with n_params parameters; full_rows: the
     log-prob forwards' route (default: --full-rows on)."""
     full_rows = cfg.full_rows == "on" if full_rows is None else full_rows
-    a = 2 if autocast_dtype(cfg, device_type) else 4  # bytes of an activation: bf16 under autocast, else fp32
-    a_roll = 2 if rollout_torch_dtype(cfg, device_type) == torch.bfloat16 else 4
+    speed = levers.on_device(cfg, device_type)  # autocast and the rollout dtype (auto: bf16 on CUDA, fp32 on the CPU)
+    a = 2 if speed.autocast else 4  # bytes of an activation: bf16 under autocast, else fp32
+    a_roll = 2 if speed.rollout_dtype == torch.bfloat16 else 4
     G, Lp, T, V, H = cfg.group_size, cfg.max_prompt_tokens, cfg.max_new_tokens, c.vocab_size, c.hidden_size
     L, ckpt = c.num_hidden_layers, cfg.gradient_checkpointing
     kv_per_token = L * 2 * c.num_key_value_heads * head_dim(c)  # elements: keys and values, every layer
@@ -998,7 +990,7 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         # on CUDA the compiled decode step's own output logits (CUDA graphs keep their buffers between calls)
         "generate: static cache extras": (gen_batch_prompts * Lp * kv_per_token * a_roll
                                           + (gen_rows * V * a_roll if device_type == "cuda" else 0))
-        if levers.on_device(cfg, device_type).cache_tokens else 0,
+        if speed.cache_tokens else 0,
         # update phase
         "gradients (fp32)": 4 * n_trained,
         # autocast's copies, held until backward (a bf16 base needs none; its adapter's are counted)
@@ -1014,7 +1006,7 @@ def memory_plan(cfg, c, n_params, device_type, micro_batch_size, gen_batch_promp
         # the training forward's shared-prompt KV cache (kv_cache_itemsizes' dtypes), freed before backward: it adds
         # to the end of the forward (the last chunk's logits alive), not to the LM head's backward
         "KV cache of the shared prompt": 0 if ckpt or full_rows else mb * (Lp + T) * kv_per_token // 2 * sum(
-            kv_cache_itemsizes(type(c), autocast_dtype(cfg, device_type))),
+            kv_cache_itemsizes(type(c), speed.autocast)),
     }
     # the end of the forward: that cache, the last chunk's logits and (autocast) the LM head's bf16 copy
     parts["end of the forward"] = parts["KV cache of the shared prompt"] + chunk_logits + head_cast

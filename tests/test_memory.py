@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import levers
 import pacs
 
 import plumbing
@@ -270,7 +271,7 @@ def test_the_plan_counts_the_trainers_kv_cache_as_the_installed_release_allocate
         decoder(input_ids=roll["response_ids"][:, :T - 1], cache=cache, use_cache=True)
     held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
     assert cache.layers[0].keys.dtype == torch.float32  # fp32 keys in both modes
-    dtype = plumbing.autocast_dtype(pacs.Config(autocast=autocast), "cpu")
+    dtype = levers.on_device(pacs.Config(autocast=autocast), "cpu").autocast
     assert plumbing.kv_cache_itemsizes(type(model.config), dtype) == (
         cache.layers[0].keys.element_size(), cache.layers[0].values.element_size())
     cfg = pacs.Config(autocast=autocast, group_size=G, max_prompt_tokens=Lp, max_new_tokens=T)
@@ -404,7 +405,7 @@ def test_the_plan_counts_a_rollout_copy_exactly_when_setup_model_makes_one(devic
     parts = plumbing.memory_plan(cfg, config, n, device_type, 8, 1)
     assert parts["rollout copy"] == (2 * n if copy else 0)
     # setup_model copies exactly when the rollout dtype is not fp32
-    assert (plumbing.rollout_torch_dtype(cfg, device_type) != torch.float32) == copy
+    assert (levers.on_device(cfg, device_type).rollout_dtype != torch.float32) == copy
 
 
 def test_the_rollout_copy_is_what_from_pretrained_in_bf16_loads(digit_model):
