@@ -445,3 +445,21 @@ def test_a_checkpoint_whose_base_moved_loads_with_base(digit_model, const7_file,
     pacs_eval.main(evaluate + ["--base", digit_model])
     plumbing.main(["merge", checkpoint, str(tmp_path / "m"), "--base", digit_model])
     assert os.path.isfile(tmp_path / "eval" / "metrics.json") and os.path.isfile(tmp_path / "m" / "model.safetensors")
+
+
+def test_a_lora_run_at_the_default_lr_says_what_the_lab_found(digit_model, capsys):
+    cfg = lora_cfg(digit_model)  # --lr left at full fine-tuning's default, the paper's 1e-6
+    plumbing.setup_model(cfg, digit_model, torch.device("cpu"))
+    note = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[lora]")]
+    assert len(note) == 1 and note[0].startswith("[lora] --lr 1e-06 is full fine-tuning's default (the paper's); in "
+                                                 "the first lab PACS's adapter learned best at lr ")
+    plumbing.lora_lr_note(dataclasses.replace(cfg, lr=5e-6))  # an lr of one's own: nothing said
+    plumbing.lora_lr_note(dataclasses.replace(cfg, lora_rank=0))  # full fine-tuning: nothing said
+    assert capsys.readouterr().err == ""
+    # the lrs it names are the lab's scan's choices (experiments/labs/lab/lora.json), and so the ratio
+    with open(os.path.join(os.path.dirname(plumbing.__file__), "experiments", "labs", "lab", "lora.json")) as f:
+        lab = json.load(f)
+    found = {f"r{a['rank']}": a["lr"] for a in lab["arms"].values()}
+    assert {k: float(plumbing.LORA_LR_SCAN[k]) for k in found} == found
+    ratios = sorted(round(a["lr"] / lab["full_lr"]) for a in lab["arms"].values())
+    assert plumbing.LORA_LR_SCAN["ratio"] == f"{ratios[0]} to {ratios[-1]} times" and lab["full_lr"] == 1e-4

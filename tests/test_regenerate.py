@@ -151,3 +151,17 @@ def test_a_summary_takes_methods_that_land_beside_the_sweep(tmp_path):
     assert lr["chosen"] == 0.0001 and lr["loss_2x"] is None and lr["loss_half"] is None
     assert {p["b"] for p in summary["paired"]} <= {"pacs-critic-off", "grpo", "ppo", "reinforce"}
     assert lab_summary.lab_scan(str(dst / "results"), 32)["choice"]["pacs-scan-only"] == 0.0001
+
+
+def test_the_lora_scan_and_its_answer_regenerate_from_their_result_files():
+    import lora_scan
+    with open(os.path.join(LABS_DIR, "lab", "lora.json")) as f:
+        committed = json.load(f)
+    again = json.loads(json.dumps(lora_scan.summary()))
+    assert set(committed["arms"]) == {"pacs-lora-r1", "pacs-lora-r16"}
+    diff = differences(again, committed)
+    assert diff == [], f"experiments/labs/lab/lora.json: rewrite it with python experiments/lora_scan.py: {diff[:8]}"
+    with open(lora_scan.DOCS, encoding="utf-8") as f:
+        text = f.read()
+    shown = text[text.index(lora_scan.BEGIN) + len(lora_scan.BEGIN):text.index(lora_scan.END)].strip()
+    assert shown == lora_scan.table(committed), "docs/lora.md's tables are stale: python experiments/lora_scan.py"
