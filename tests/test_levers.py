@@ -763,7 +763,7 @@ def test_eval_batch_size_comes_from_the_plan_on_cuda_and_stays_on_resume(monkeyp
     assert ev.planned_batch_size(args, torch.device("cuda"), 100, 256) == 256  # the first run's, on resume
     c = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                     num_attention_heads=14, num_key_value_heads=2)
-    monkeypatch.setattr(plumbing, "load_model_config", lambda name: c)
+    monkeypatch.setattr(plumbing, "load_model_config", lambda name, base="": c)  # eval.py passes --base
     monkeypatch.setattr(plumbing, "count_parameters", lambda config: 494_032_768)
     sizes = {}
     for gib, static in ((22.5, False), (80, False), (80, True)):
