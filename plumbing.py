@@ -565,15 +565,15 @@ def lora_targets(flag_value, model):
     every Linear's but the LM head's, as peft resolves it (Qwen2/Qwen3/Llama: the seven projections). A one-line
     ConfigError naming each given name that no Linear of the model is called."""
     head = model.get_output_embeddings()
-    linears = {name.rsplit(".", 1)[-1]: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    linears = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     if flag_value.strip() == ALL_LINEAR:
-        return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                       if isinstance(m, torch.nn.Linear) and m is not head})
+        return sorted({name for name, m in linears if m is not head})
+    names = {name for name, _ in linears}
     targets = [name.strip() for name in flag_value.split(",") if name.strip()]
-    missing = [t for t in targets if t not in linears]
+    missing = [t for t in targets if t not in names]
     if missing or not targets:
         raise ConfigError(f"--lora-targets {','.join(missing) or '(none)'}: {type(model).__name__} has no Linear of "
-                          f"that name (its Linears: {', '.join(sorted(linears))}; or {ALL_LINEAR})")
+                          f"that name (its Linears: {', '.join(sorted(names))}; or {ALL_LINEAR})")
     return targets
 
 
@@ -594,10 +594,8 @@ def adapter_base(path):
         return json.load(f).get("base_model_name_or_path") or ""
 
 
-# What the first lab's scan found for PACS's adapter (docs/lora.md#the-learning-rate; experiments/lora_scan.py): the
-# line a --lora-rank run prints at the default --lr, full fine-tuning's
-LORA_LR_FOUND = ("in the first lab PACS's adapter learned best at lr {r1} (rank 1) and {r16} (rank 16), "
-                 "{ratio} full fine-tuning's best there (1e-4)")
+# What the first lab's scan found for PACS's adapter (docs/lora.md#the-learning-rate; experiments/lora_scan.py), said
+# by a --lora-rank run at the default --lr, full fine-tuning's (tests/test_lora.py holds it to lora.json)
 LORA_LR_SCAN = {"r1": "2e-3", "r16": "5e-4", "ratio": "5 to 20 times"}
 
 
@@ -606,16 +604,18 @@ def lora_lr_note(cfg):
     an adapter wants a larger one (the first lab's scan)."""
     default = next(f.default for f in dataclasses.fields(cfg) if f.name == "lr")
     if cfg.lora_rank and cfg.lr == default:
-        print(f"[lora] --lr {cfg.lr:g} is full fine-tuning's default (the paper's); "
-              + LORA_LR_FOUND.format(**LORA_LR_SCAN) + ": pass --lr (docs/lora.md#the-learning-rate)", file=sys.stderr)
+        found = LORA_LR_SCAN
+        print(f"[lora] --lr {cfg.lr:g} is full fine-tuning's default (the paper's); in the first lab PACS's adapter "
+              f"learned best at lr {found['r1']} (rank 1) and {found['r16']} (rank 16), {found['ratio']} full "
+              f"fine-tuning's best there (1e-4): pass --lr (docs/lora.md#the-learning-rate)", file=sys.stderr)
 
 
 def checked_base(checkpoint, base=""):
     """The base an adapter checkpoint loads on: `base` (--base) where given, else the one adapter_config.json names.
     A recorded local path that is not on this machine is a one-line ConfigError naming --base."""
-    recorded = adapter_base(checkpoint)
     if base:
         return base
+    recorded = adapter_base(checkpoint)
     if os.path.isabs(recorded) and not os.path.exists(recorded):
         raise ConfigError(f"{checkpoint}'s adapter was trained on {recorded}, which is not here: pass the base "
                           f"model with --base (a hub id or a local copy of the same model)")
@@ -734,13 +734,12 @@ def merge_adapter(checkpoint, out_dir, base="", fp32=False):
     the loaded weight and rounded once; fp32: loaded, merged and written in fp32. base: as load_model's."""
     if adapter_base(checkpoint) is None:
         raise ConfigError(f"{checkpoint} holds no adapter (no adapter_config.json): it is a plain checkpoint already")
-    dtype = torch.float32 if fp32 else getattr(load_model_config(checkpoint, base), "dtype", None) or torch.float32
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    base = checked_base(checkpoint, base)  # the base, resolved once
+    dtype = torch.float32 if fp32 else getattr(load_model_config(base), "dtype", None) or torch.float32  # torch's
     model, tokenizer = load_model(checkpoint, dtype=dtype, base=base)
     model.merge_and_unload().to(dtype).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    print(f"[merge] {checkpoint} merged into its base {checked_base(checkpoint, base)} in {str(dtype)[6:]} -> "
-          f"{out_dir}", file=sys.stderr)
+    print(f"[merge] {checkpoint} merged into its base {base} in {str(dtype)[6:]} -> {out_dir}", file=sys.stderr)
     return out_dir
 
 
