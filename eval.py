@@ -21,7 +21,12 @@ Run it:
     # compare runs: a table (text and markdown) and a PNG of pass@k against k, one line per run
     python eval.py --report runs/eval_base runs/eval_pacs runs/eval_grpo --report-out report.png
 
+    # v2's diversity of the right answers (App. E), from the finished run's samples: its command, plus
+    python eval.py --model smollm2 --datasets gsm8k,synthetic --data-dir ../shared/data --limit 16 --n 8 \\
+        --max-new-tokens 256 --batch-size 128 --out runs/smollm2_t0.6 --diversity char-ngrams --diversity-k 4
+
 --out holds config.json, samples.jsonl (one row per problem, appended as each finishes) and metrics.json.
+--diversity adds v2's S_div and the distinct right answers per problem to metrics.json (docs/running.md#diversity).
 A killed run continues with the same command: finished problems are kept and never sampled again; the rest
 are sampled in the same batches with the same seeds, so (on CPU) metrics.json equals that of an
 uninterrupted run. Metrics are computed from samples.jsonl only, so a rerun with another --k costs nothing.
@@ -31,11 +36,13 @@ Every flag: python eval.py --help.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -48,7 +55,7 @@ import levers
 import pacs
 import plumbing
 from plumbing import ConfigError, flag
-from verify import extract_answer
+from verify import extract_answer, normalize, squash
 
 
 @dataclass
@@ -87,6 +94,14 @@ class EvalConfig:  # flags parsed by plumbing.parse_flags (HfArgumentParser), as
     seed: int = flag(0, "seeds each generate batch and the bootstrap")
     device: Literal["auto", "cpu", "cuda"] = flag("auto", "auto | cpu | cuda (bf16 on CUDA, fp32 on CPU)")
     out: str = flag("runs/eval", "config.json, samples.jsonl and metrics.json go here")
+    diversity: Optional[str] = flag(None, "v2's S_div (App. E) of each problem's right answers, embedded "
+                                    "by this model (hub id, dir, .gguf, 'smollm2') or 'char-ngrams' (no "
+                                    "model); none: off (unset: --protocol's, v2: Qwen/Qwen3-Embedding-0.6B)")
+    diversity_k: int = flag(4, "--diversity: K right samples per problem, drawn with --seed (K >= 2); "
+                            "a problem with fewer is left out, and counted")
+    diversity_pooling: Literal["auto", "last", "mean"] = flag(
+        "auto", "--diversity's pooling: auto (last token for Qwen3-Embedding, else the mean over the "
+        "response's tokens) | last | mean")
     report: Optional[list[str]] = flag(None, "compare finished runs instead of evaluating", metavar="DIR")
     report_out: str = flag("report.png", "PNG written by --report "
                            "(pass@k against k, one subplot per dataset)")
@@ -102,17 +117,21 @@ class EvalConfig:  # flags parsed by plumbing.parse_flags (HfArgumentParser), as
             setattr(self, key, PROTOCOLS[self.protocol][key])
         if "k" in unset and self.k and "n" not in unset:  # the protocol's k with an --n of one's own
             self.k = ",".join(k for k in self.k.split(",") if int(k) <= self.n)
+        if self.diversity.lower() == "none":
+            self.diversity = ""
 
 
 # --protocol -> the value of each of these flags left unset. v2: arXiv 2509.02522v2's evaluation, Sec. 4.1
 # (its five benchmarks; n = 128 samples per problem; temperature 0.6) and Table 5 (max tokens 8,192; top-p
 # 0.95); its Tables 2 and 6-13 report pass@k at k = 1, 4, 8, 16, 32, 64. Its prompt (App. C.1) adds a system turn,
 # "You are a helpful assistant.", to the official code's one user turn (plumbing.build_prompt; docs/paper.md).
+# Its diversity (Sec. 6.2, App. E) embeds the right answers with Qwen3-Embedding-0.6B.
 PROTOCOLS = {
     "default": {"datasets": "math500,amc23,aime24,aime25", "n": 16, "k": "", "temperature": 0.6,
-                "top_p": 0.95, "max_new_tokens": 1024, "prompt": "official"},
+                "top_p": 0.95, "max_new_tokens": 1024, "prompt": "official", "diversity": ""},
     "v2": {"datasets": "math500,amc23,aime24,aime25,beyondaime", "n": 128, "k": "1,4,8,16,32,64",
-           "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 8192, "prompt": "v2"},
+           "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 8192, "prompt": "v2",
+           "diversity": "Qwen/Qwen3-Embedding-0.6B"},
 }
 
 # Presets for evaluation only (no training split), in plumbing.PRESETS's layout: (hub id, hub config,
@@ -183,6 +202,8 @@ def print_tables(metrics):
         print(f"\n{name}: {m['problems']} problems x {m['n']} samples (%, CI: bootstrap over problems)")
         print("  ".join(a.rjust(w) for (a, _), w in zip(cells, widths)))
         print("  ".join(b.rjust(w) for (_, b), w in zip(cells, widths)))
+        if "diversity" in m:
+            print_diversity(name, m["diversity"])
 
 
 # =====================================================================================================
@@ -352,6 +373,8 @@ def evaluate(args):
     if not args.model:
         raise ConfigError("--model is required (or --report DIR ... to compare finished runs)")
     ks = parse_ks(args.k, args.n)
+    if args.diversity:
+        check_diversity_flags(args.diversity, args.diversity_k)
     trackers = plumbing.report_targets(args.report_to)
     data = load_datasets(args)  # bad names fail here, before the model loads
     os.makedirs(args.out, exist_ok=True)
@@ -414,14 +437,27 @@ def evaluate(args):
     metrics = {"model": args.model, **{k: getattr(args, k) for k in SAMPLE_KEYS if k != "model"},
                "datasets": {name: dataset_metrics([done[(name, p["id"])] for p in problems], ks, args.seed)
                             for name, problems in data.items()}}
-    tmp = os.path.join(args.out, "metrics.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(metrics, f, indent=2)
-    os.replace(tmp, os.path.join(args.out, "metrics.json"))
+    write_metrics(args.out, metrics)  # pass@k first: an embedder that fails to load loses none of it
+    if args.diversity:  # from the stored rows too: a finished --out gains it without sampling again
+        if args.diversity_k > args.n:
+            print(f"[eval] --diversity-k {args.diversity_k} > --n {args.n}: no problem can have "
+                  f"{args.diversity_k} right samples", file=sys.stderr)
+        for name, problems in data.items():
+            metrics["datasets"][name]["diversity"] = dataset_diversity(
+                [done[(name, p["id"])] for p in problems], args.diversity, args.diversity_k, args.seed,
+                args.diversity_pooling, plumbing.resolve_device(args.device))
+        write_metrics(args.out, metrics)
     report_summary(trackers, args, metrics)
     print_tables(metrics)
     print(f"\nwrote {path} and {os.path.join(args.out, 'metrics.json')}")
     return metrics
+
+
+def write_metrics(out, metrics):
+    tmp = os.path.join(out, "metrics.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(metrics, f, indent=2)
+    os.replace(tmp, os.path.join(out, "metrics.json"))
 
 
 def report_summary(trackers, args, metrics):
@@ -435,9 +471,219 @@ def report_summary(trackers, args, metrics):
         row.update({f"{name}/avg@n": m["avg@n"], f"{name}/avg@n_ci95_low": m["avg@n_ci95"][0],
                     f"{name}/avg@n_ci95_high": m["avg@n_ci95"][1], f"{name}/mean_length": m["mean_length"],
                     f"{name}/truncated": m["truncated"], f"{name}/problems": m["problems"]})
+        if m.get("diversity", {}).get("s_div") is not None:
+            row.update({f"{name}/s_div": m["diversity"]["s_div"],
+                        f"{name}/distinct_answers": m["diversity"]["distinct_answers"]})
     run = plumbing.Trackers(trackers, args.out, dataclasses.asdict(args))
     run.log(row)
     run.close()
+
+
+# =====================================================================================================
+# Diversity of the right answers: paper v2's S_div (Sec. 6.2, App. E)
+# =====================================================================================================
+CHAR_NGRAMS, NGRAM = "char-ngrams", 3  # the embedder that needs no model: counts of each character 3-gram
+EMBED_BATCH = 16  # texts per embedding forward
+EMBED_MAX_TOKENS = 8192  # longer texts are cut to their first 8,192 tokens (v2's response limit, and the card's)
+POOLING_WORDS = {"last": "the last token's state, L2-normalised (Qwen3-Embedding's card)",
+                 "mean": "the mean of the response's token states (a model whose card prescribes no pooling)",
+                 CHAR_NGRAMS: f"character {NGRAM}-gram counts (no model)"}
+
+
+def pairwise_diversity(vectors):
+    """App. E's Div(q) = 1 - (1 / C(K,2)) sum_{m<n} cos(v_m, v_n) of K >= 2 embeddings: 1 when they are
+    orthogonal, 0 when they point the same way. A zero vector (a text with no 3-gram) has cosine 0 with all."""
+    v = torch.nn.functional.normalize(vectors.double(), dim=-1)  # (K, H) unit rows
+    m, n = torch.triu_indices(len(v), len(v), offset=1)  # (C(K,2),) each pair m < n once
+    return float(1.0 - (v[m] * v[n]).sum(-1).mean())
+
+
+def char_ngram_vectors(texts, n=NGRAM):
+    """(N, V) counts of the character n-grams of each text, over the V n-grams the texts hold between them: the
+    cosine of two rows compares the texts' surface form without a model."""
+    counts = [Counter(t[i:i + n] for i in range(len(t) - n + 1)) for t in texts]
+    column = {gram: j for j, gram in enumerate(sorted(set().union(*counts)))}
+    out = torch.zeros(len(texts), max(1, len(column)), dtype=torch.float64)  # (N, V)
+    for i, c in enumerate(counts):
+        for gram, x in c.items():
+            out[i, column[gram]] = x
+    return out
+
+
+def prescribed_pooling(name, config):
+    """'last' or 'mean': the pooling a model's card prescribes, read from the model. A sentence-transformers pooling
+    file (1_Pooling/config.json) says it outright; otherwise a name (path or hub id) or an architecture holding
+    'Embedding' (Qwen/Qwen3-Embedding-0.6B and its copies) is a last-token embedder; any other model (a plain LM
+    such as SmolLM2) prescribes none and is mean-pooled."""
+    pooling_file = os.path.join(name, "1_Pooling", "config.json")
+    if os.path.isfile(pooling_file):
+        with open(pooling_file) as f:
+            modes = {key for key, on in json.load(f).items() if key.startswith("pooling_mode") and on}
+        if modes & {"pooling_mode_lasttoken", "pooling_mode_mean_tokens"}:
+            return "last" if "pooling_mode_lasttoken" in modes else "mean"
+        raise ConfigError(f"--diversity: {pooling_file} asks for {sorted(modes)}; pass --diversity-pooling "
+                          "last or mean")
+    names = [name, *(getattr(config, "architectures", None) or [])]
+    return "last" if any("embedding" in x.lower() for x in names) else "mean"
+
+
+@torch.no_grad()
+def embed_texts(model, tokenizer, texts, pooling):
+    """(N, H) fp32 embeddings of texts by a transformers base model, EMBED_BATCH at a time (longest first, so a batch
+    pads little; right padding). 'last': the last token's state (at attention_mask.sum - 1), L2-normalised, as
+    Qwen3-Embedding's card pools it; 'mean': the mean state over the text's own tokens (special ones left out)."""
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    out = [None] * len(texts)
+    for s in range(0, len(texts), EMBED_BATCH):
+        idx = order[s:s + EMBED_BATCH]
+        enc = tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=EMBED_MAX_TOKENS,
+                        return_tensors="pt", return_special_tokens_mask=True)
+        own = (enc.pop("special_tokens_mask") == 0) & (enc["attention_mask"] == 1)  # (b, T) the text's own tokens
+        enc = enc.to(model.device)
+        h = model(**enc, use_cache=False).last_hidden_state.float().cpu()  # (b, T, H)
+        if pooling == "last":
+            last = enc["attention_mask"].sum(1).cpu() - 1  # (b,) right padding: the last real token
+            e = torch.nn.functional.normalize(h[torch.arange(len(idx)), last], dim=-1)  # (b, H)
+        else:
+            w = own.unsqueeze(-1).float()  # (b, T, 1)
+            e = (h * w).sum(1) / w.sum(1).clamp(min=1)  # (b, H)
+        for i, row in zip(idx, e):
+            out[i] = row
+    return torch.stack(out)  # (N, H)
+
+
+@functools.lru_cache(maxsize=1)  # a comparison of runs, or a loop in experiments/, loads the embedder once
+def load_embedder(name, device="cpu", pooling="auto"):
+    """(embed, pooling): embed(texts) -> (N, H) embeddings, and the pooling used ('last', 'mean' or 'char-ngrams').
+    name: 'char-ngrams', or a hub id, a directory, a .gguf file or 'smollm2' (plumbing.resolve_model_path, so SmolLM2
+    through the project's GGUF-to-HF conversion), loaded as a transformers base model in fp32 (TF32 off on CUDA)."""
+    if name == CHAR_NGRAMS:
+        return char_ngram_vectors, CHAR_NGRAMS
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+    try:
+        path = plumbing.resolve_model_path(name)
+        config = AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModel.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    except (ConfigError, OSError, ValueError) as e:
+        raise ConfigError(f"--diversity: cannot load the embedder {name!r}: {str(e).splitlines()[0]}") from None
+    pooling = prescribed_pooling(path, config) if pooling == "auto" else pooling
+    tokenizer.padding_side = "right"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    def embed(texts):
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False  # cosines near 1: the differences need fp32's digits
+        try:
+            return embed_texts(model, tokenizer, texts, pooling)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+    return embed, pooling
+
+
+def check_diversity_flags(embedder, k):
+    """Bad --diversity flags fail in one line before any sampling: K < 2, or a local embedder path that is not here."""
+    if k < 2:
+        raise ConfigError(f"--diversity-k {k}: Div(q) averages over pairs, so K must be at least 2")
+    if embedder and embedder != CHAR_NGRAMS and embedder != "smollm2" and not embedder.endswith(".gguf"):
+        try:
+            plumbing.resolve_model_path(embedder)
+        except ConfigError as e:
+            raise ConfigError(f"--diversity: {e}") from None
+
+
+def canonical_answer(answer):
+    """An extracted answer's canonical spelling (verify.normalize, spaces squashed); '' where none was extracted."""
+    return squash(normalize(answer)) if answer is not None else ""
+
+
+def draw_correct(row, k, seed=0):
+    """Indices of k of a row's right samples, drawn without replacement by a generator seeded by (seed, dataset, id):
+    the same draw whichever runs or problems sit beside it. None where fewer than k are right."""
+    right = [i for i, c in enumerate(row["correct"]) if c]
+    if len(right) < k:
+        return None
+    rng = np.random.default_rng(batch_seed(seed, row["dataset"], row["id"]))
+    return sorted(int(i) for i in rng.choice(right, size=k, replace=False))
+
+
+def problem_diversity(rows, embedder, k, seed=0, pooling="auto", device="cpu"):
+    """({id: {"div": Div(q), "distinct": d}}, pooling) over the rows (one dataset's) with at least k right samples:
+    Div(q) of k of them drawn by draw_correct, d the distinct canonical answers among the same k. The embedder loads
+    only where some problem has k right (pooling None where none has)."""
+    drawn = [(r, draw_correct(r, k, seed)) for r in rows]
+    drawn = [(r, idx) for r, idx in drawn if idx is not None]
+    if not drawn:
+        return {}, None
+    embed, pooling = load_embedder(embedder, str(device), pooling)
+    out, per_call = {}, max(1, EMBED_BATCH // k)  # problems per embed call: one batch of texts
+    for s in tqdm(range(0, len(drawn), per_call), desc="diversity", unit="batch", leave=False, dynamic_ncols=True):
+        chunk = drawn[s:s + per_call]
+        vectors = embed([r["responses"][i] for r, idx in chunk for i in idx])  # (len(chunk) * k, H)
+        for j, (r, idx) in enumerate(chunk):
+            out[r["id"]] = {"div": pairwise_diversity(vectors[j * k:(j + 1) * k]),
+                            "distinct": len({canonical_answer(r["extracted"][i]) for i in idx})}
+    return out, pooling
+
+
+def diversity_summary(per_problem, problems, settings, seed=0):
+    """A dataset's diversity entry of metrics.json: S_div (the mean Div(q)) with its 95% bootstrap interval over
+    problems, the mean distinct right answers, the problems used and left out, the settings and the per-problem values
+    (from which a comparison restricts every run to the problems they share)."""
+    div = [v["div"] for v in per_problem.values()]  # (P,)
+    return {**settings, "s_div": float(np.mean(div)) if div else None,
+            "s_div_ci95": list(bootstrap_ci(div, seed=seed)) if div else None,
+            "distinct_answers": float(np.mean([v["distinct"] for v in per_problem.values()])) if div else None,
+            "problems": len(div), "left_out": problems - len(div), "per_problem": per_problem}
+
+
+def dataset_diversity(rows, embedder, k, seed=0, pooling="auto", device="cpu"):
+    """metrics.json's diversity entry for one dataset's rows (problem_diversity, then diversity_summary)."""
+    per_problem, used = problem_diversity(rows, embedder, k, seed, pooling, device)
+    settings = {"embedder": embedder, "pooling": used, "k": k, "seed": seed}
+    return diversity_summary(per_problem, len(rows), settings, seed)
+
+
+def run_diversity(out_dir, embedder, k=4, seed=0, pooling="auto", device="cpu"):
+    """{dataset: diversity entry} of a finished eval.py --out dir, from its samples.jsonl alone (no sampling)."""
+    path = os.path.join(out_dir, "samples.jsonl")
+    if not os.path.isfile(path):
+        raise ConfigError(f"no samples.jsonl in {out_dir!r} (not an eval.py --out dir)")
+    by_dataset = {}
+    for row in read_finished(path).values():
+        by_dataset.setdefault(row["dataset"], []).append(row)
+    return {name: dataset_diversity(rows, embedder, k, seed, pooling, device) for name, rows in by_dataset.items()}
+
+
+def common_problems(entries):
+    """The problem ids in every entry's per_problem (each run had >= K right there): what a comparison may use."""
+    return sorted(set.intersection(*(set(e["per_problem"]) for e in entries)))
+
+
+def compare_diversity(entries):
+    """One dataset's diversity entries of several runs (same embedder, pooling, K and seed), restricted to the
+    problems they share, so that S_div is not confounded with pass@1: (ids, [{"s_div", "distinct_answers"} per run]);
+    their values are None where no problem is shared."""
+    keys = ("embedder", "pooling", "k", "seed")
+    settings = {tuple(e[key] for key in keys) for e in entries if e["problems"]}
+    if len(settings) > 1:
+        raise ConfigError(f"the runs' diversity was computed with other settings ({keys}: {sorted(settings)}); "
+                          "pass --diversity to recompute it for all")
+    ids = common_problems(entries)
+    mean = lambda e, key: float(np.mean([e["per_problem"][i][key] for i in ids])) if ids else None  # noqa: E731
+    return ids, [{"s_div": mean(e, "div"), "distinct_answers": mean(e, "distinct")} for e in entries]
+
+
+def print_diversity(name, d):
+    if d["pooling"] is None:
+        print(f"  diversity: no problem has {d['k']} right samples; all {d['left_out']} left out")
+        return
+    lo, hi = d["s_div_ci95"]
+    print(f"  diversity (v2 App. E, {d['embedder']}, {POOLING_WORDS[d['pooling']]}; {d['k']} right samples per "
+          f"problem, seed {d['seed']}): S_div {d['s_div']:.4f} [{lo:.4f}, {hi:.4f}], distinct right answers "
+          f"{d['distinct_answers']:.2f}, over {d['problems']} problems; {d['left_out']} with fewer than {d['k']} "
+          "right left out")
 
 
 # =====================================================================================================
@@ -456,7 +702,50 @@ def load_run(d):
     return m
 
 
-def report(dirs, out_png):
+def print_table(header, table):
+    """Rows of cells as aligned text, then as markdown (the first column a name, the rest numbers)."""
+    widths = [max(len(r[i]) for r in [header] + table) for i in range(len(header))]
+    for r in [header] + table:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" + "---:|" * (len(header) - 1))
+    for r in table:
+        print("| " + " | ".join(r) + " |")
+
+
+def report_diversity(dirs, runs, names, embedder="", k=4, seed=0, pooling="auto", device="cpu"):
+    """The runs' diversity side by side, each dataset over the problems where every run has >= K right samples:
+    recomputed from each dir's samples.jsonl with `embedder`, or (embedder '') as their metrics.json hold it.
+    Returns {dataset: {"problems": ids, "left_out": n, "runs": {name: {"s_div", "distinct_answers"}}}}."""
+    if embedder:
+        check_diversity_flags(embedder, k)
+        entries = [run_diversity(d, embedder, k, seed, pooling, device) for d in dirs]
+    else:
+        entries = [{ds: m["diversity"] for ds, m in run["datasets"].items() if "diversity" in m} for run in runs]
+    datasets = [ds for ds in dict.fromkeys(ds for e in entries for ds in e) if all(ds in e for e in entries)]
+    out = {}
+    for ds in datasets:
+        ids, values = compare_diversity([e[ds] for e in entries])
+        total = max(e[ds]["problems"] + e[ds]["left_out"] for e in entries)
+        out[ds] = {"problems": ids, "left_out": total - len(ids), "runs": dict(zip(names, values))}
+    if not out:
+        return out
+    shown = [e[ds] for e in entries for ds in datasets]
+    d = next((x for x in shown if x["pooling"]), shown[0])  # the settings, from an entry that embedded something
+    print(f"\nS_div and distinct right answers (v2 App. E; {d['embedder']}, {POOLING_WORDS.get(d['pooling'], '-')}; "
+          f"K = {d['k']}), each dataset over the problems where every run has >= {d['k']} right samples:")
+    for ds, c in out.items():
+        print(f"  {ds}: {len(c['problems'])} problems, {c['left_out']} left out")
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    header = ["run"] + [f"{ds} {what}" for ds in out for what in ("S_div", "distinct")]
+    print_table(header, [[name] + [fmt(out[ds]["runs"][name][key], spec) for ds in out
+                                   for key, spec in (("s_div", ".4f"), ("distinct_answers", ".2f"))]
+                         for name in names])
+    return out
+
+
+def report(dirs, out_png, embedder="", k=4, seed=0, pooling="auto", device="cpu"):
+    """Print the runs' pass@k side by side and draw it to out_png; their diversity too (report_diversity), which
+    is returned."""
     runs = [load_run(d) for d in dirs]
     names = [os.path.basename(os.path.normpath(d)) for d in dirs]
     if len(set(names)) < len(names):  # two runs named e.g. "eval": show the paths as given
@@ -468,13 +757,9 @@ def report(dirs, out_png):
     table = [[name] + [f"{100 * m['datasets'][ds]['pass@k'][str(k)]:.1f}"
                        if str(k) in m["datasets"].get(ds, {}).get("pass@k", {}) else "-" for ds, k in cols]
              for name, m in zip(names, runs)]
-    widths = [max(len(r[i]) for r in [header] + table) for i in range(len(header))]
     print("pass@k (%): rows = runs, columns = pass@k per dataset\n")
-    for r in [header] + table:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-    print("\n| " + " | ".join(header) + " |\n|" + "---|" + "---:|" * len(cols))
-    for r in table:
-        print("| " + " | ".join(r) + " |")
+    print_table(header, table)
+    diversity = report_diversity(dirs, runs, names, embedder, k, seed, pooling, device)
 
     import matplotlib  # only here: evaluation itself never needs it
     matplotlib.use("Agg")
@@ -498,6 +783,7 @@ def report(dirs, out_png):
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
     print(f"\nwrote {out_png}")
+    return diversity
 
 
 # =====================================================================================================
@@ -511,7 +797,8 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         if args.report:
-            report(args.report, args.report_out)
+            report(args.report, args.report_out, args.diversity, args.diversity_k, args.seed, args.diversity_pooling,
+                   str(plumbing.resolve_device(args.device)))
         else:
             evaluate(args)
     except (ConfigError, OSError) as e:
