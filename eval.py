@@ -586,11 +586,14 @@ def check_diversity_flags(embedder, k):
     """Bad --diversity flags fail in one line before any sampling: K < 2, or a local embedder path that is not here."""
     if k < 2:
         raise ConfigError(f"--diversity-k {k}: Div(q) averages over pairs, so K must be at least 2")
-    if embedder and embedder != CHAR_NGRAMS and embedder != "smollm2" and not embedder.endswith(".gguf"):
-        try:
+    try:
+        gguf = plumbing.smollm2_gguf_path() if embedder == "smollm2" else embedder
+        if gguf.endswith(".gguf") and not os.path.isfile(gguf):  # converted only when it embeds: checked here
+            raise ConfigError(f"GGUF file not found: {gguf}")
+        if embedder and embedder != CHAR_NGRAMS and not gguf.endswith(".gguf"):
             plumbing.resolve_model_path(embedder)
-        except ConfigError as e:
-            raise ConfigError(f"--diversity: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"--diversity: {e}") from None
 
 
 def canonical_answer(answer):

@@ -228,6 +228,7 @@ def test_bad_input_is_one_line(tiny_problems_file, tmp_path):
              (report + ["--diversity", "char-ngrams", "--diversity-k", "1"], "--diversity-k 1: "),
              (evaluate + ["--diversity", str(tmp_path / "no_embedder")], "--diversity: model path not found"),
              (report + ["--diversity", str(tmp_path / "no_embedder")], "--diversity: model path not found"),
+             (evaluate + ["--diversity", str(tmp_path / "no.gguf")], "--diversity: GGUF file not found"),
              (report + ["--diversity", str(empty), "--diversity-k", "2"], "--diversity: cannot load the embedder"),
              (["--report", str(tmp_path), "--diversity", "char-ngrams"], "no metrics.json")]
     for argv, msg in cases:
