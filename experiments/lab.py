@@ -25,6 +25,7 @@ The test split chooses nothing; its pass@1, pass@8 and pass@64 are the last line
 """
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -39,6 +40,10 @@ sys.path.insert(0, ROOT)
 import eval as pacs_eval  # noqa: E402  (pass@k from n samples, resumable: the base model's eval)
 import pacs  # noqa: E402  (build_prompt, sample, reward_fn: the prompts, rollouts and rewards of training)
 import plumbing  # noqa: E402
+import verify  # noqa: E402  (a chain row's verdict where the countdown task scores rows itself)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import countdown  # noqa: E402  (the countdown task's checker: countdown.check, countdown.canonical)
 
 SOURCE = "lab-chain"
 WHAT_IS = "What is"  # the problem's opening, one token
@@ -48,6 +53,14 @@ CHARS = "0123456789+-=? }\n"  # every other character of a problem or a solution
 CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 SPLITS = ("test", "val", "train", "sft")  # filled in this order from one stream of distinct problems
+TASKS = ("chain", "countdown")
+COUNTDOWN_SOURCE = "lab-countdown"
+MAKE, FROM = "Make", "from"  # a countdown problem's words, one token each: Make 24 from 2 3 8?
+COUNTDOWN_CHARS = "*/()"  # the countdown task's characters beyond CHARS
+COUNTDOWN_MAX_TARGET = 99
+# the countdown task's splits, in this order: its own (test, val, train: RL's; sft: SFT's, with the chain rows) and
+# the chain task's test split, the out-of-domain score
+COUNTDOWN_SPLITS = ("test", "val", "train", "sft", "chain_test")
 # The reference lab: the base model every committed lab result trained from (model/, lab.json, sft_log.jsonl); its
 # splits are not committed but regenerated from the seed (ensure_splits), checked against lab.json's hash.
 SHIPPED = os.path.join(ROOT, "experiments", "labs", "lab", "base")
@@ -147,11 +160,103 @@ def make_splits(seed, sizes, max_operand=9, ops="2", sft_ops=""):
     return out
 
 
+# =====================================================================================================
+# The countdown task (--task countdown): a target and three numbers, each used once; several right answers
+# =====================================================================================================
+def countdown_solutions(numbers):
+    """{target: {canonical form: [solutions]}}: every worked solution of three numbers, two of them combined, then
+    the result with the third, each step's result a positive integer (a division exact), the target at most
+    COUNTDOWN_MAX_TARGET. A solution is one equation a line, then the whole expression boxed:
+        Make 24 from 2 5 8?  ->  5-2=3\\n3*8=24\\n\\boxed{(5-2)*8}"""
+    out = {}
+    for i, j in itertools.permutations(range(3), 2):
+        a, b, c = numbers[i], numbers[j], numbers[3 - i - j]
+        for op1, op2 in itertools.product("+-*/", repeat=2):
+            x = countdown.value((op1, a, b))
+            if x is None or x.denominator != 1 or x < 1:
+                continue
+            first = f"{a}{op1}{b}={x}\n"
+            for tree, line, boxed in (((op2, (op1, a, b), c), f"{x}{op2}{c}", f"({a}{op1}{b}){op2}{c}"),
+                                      ((op2, c, (op1, a, b)), f"{c}{op2}{x}", f"{c}{op2}({a}{op1}{b})")):
+                y = countdown.value(tree)
+                if y is not None and y.denominator == 1 and 1 <= y <= COUNTDOWN_MAX_TARGET:
+                    forms = out.setdefault(int(y), {}).setdefault(countdown.canonical(tree), [])
+                    text = f"{first}{line}={y}\n{BOX}{boxed}}}"
+                    if text not in forms:
+                        forms.append(text)
+    return out
+
+
+def countdown_problems(max_number):
+    """Every countdown problem of three numbers in 2..max_number (a multiset, written in increasing order): one per
+    reachable target, [(numbers, target, {canonical form: [solutions]})] in a fixed order."""
+    return [(list(ns), t, forms) for ns in itertools.combinations_with_replacement(range(2, max_number + 1), 3)
+            for t, forms in sorted(countdown_solutions(list(ns)).items())]
+
+
+def countdown_row(split, i, numbers, target, solution):
+    return {"id": f"{split}-{i}", "problem": f"{MAKE} {target} {FROM} {' '.join(map(str, numbers))}?",
+            "answer": countdown.answer_field(numbers, target), "solution": solution, "source": COUNTDOWN_SOURCE}
+
+
+def make_countdown_splits(seed, sizes, max_number=12, min_forms=3):
+    """{split: rows} for COUNTDOWN_SPLITS. test, val and train: distinct problems with at least min_forms canonical
+    right answers, drawn without replacement; sft: sizes["sft"] countdown rows over every other problem (a problem
+    again and again, each row a right answer drawn at random: a canonical form, then one of its solutions), mixed
+    with sizes["chain_sft"] chain rows; chain_test: sizes["chain_test"] chain problems. The chain rows are
+    make_splits' stream at the same seed (its test split, then its SFT rows): no chain test problem in SFT."""
+    rng = random.Random(seed)
+    problems = countdown_problems(max_number)
+    rng.shuffle(problems)
+    rich = [p for p in problems if len(p[2]) >= min_forms]
+    n_rl = sizes["test"] + sizes["val"] + sizes["train"]
+    if n_rl > len(rich):
+        raise LabError(f"--test/val/train-problems ask for {n_rl} countdown problems; numbers 2..{max_number} give "
+                       f"{len(rich)} with at least {min_forms} right answers")
+    out, start = {}, 0
+    for split in ("test", "val", "train"):
+        out[split] = [countdown_row(split, i, ns, t, rng.choice(forms[rng.choice(sorted(forms))]))
+                      for i, (ns, t, forms) in enumerate(rich[start:start + sizes[split]])]
+        start += sizes[split]
+    taken = {(tuple(ns), t) for ns, t, _ in rich[:n_rl]}
+    pool = [p for p in problems if (tuple(p[0]), p[1]) not in taken]
+    sft = []
+    for i in range(sizes["sft"]):
+        ns, t, forms = pool[i % len(pool)]
+        sft.append(countdown_row("sft", i, ns, t, rng.choice(forms[rng.choice(sorted(forms))])))
+    chain = make_splits(seed, {"test": sizes["chain_test"], "val": 0, "train": 0, "sft": sizes["chain_sft"]})
+    sft += [{**r, "id": f"chain-{r['id']}"} for r in chain["sft"]]
+    rng.shuffle(sft)
+    out["sft"] = sft
+    out["chain_test"] = [{**r, "id": f"chain-{r['id']}"} for r in chain["test"]]
+    return out
+
+
+def countdown_forms(rows):
+    """{canonical right answers: problems} over countdown rows: how many distinct right answers each has."""
+    counts = {}
+    for r in rows:
+        numbers, target = countdown.parse_answer(r["answer"])
+        n = len(countdown_solutions(numbers).get(target, {}))
+        counts[n] = counts.get(n, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def splits_for(settings):
+    """The splits a lab.json's settings name, regenerated: the chain task's (make_splits) or the countdown task's
+    (make_countdown_splits); a setting a lab.json predates takes its default."""
+    if settings.get("task", "chain") == "countdown":
+        sizes = {s: settings[f"{s}_problems"] for s in ("test", "val", "train", "sft", "chain_test", "chain_sft")}
+        return make_countdown_splits(settings["seed"], sizes, settings["max_number"], settings["min_forms"])
+    return make_splits(settings["seed"], {s: settings[f"{s}_problems"] for s in SPLITS}, settings["max_operand"],
+                       settings.get("ops", "2"), settings.get("sft_ops", ""))
+
+
 def splits_sha(splits):
     """sha256 of the splits' JSONL lines in SPLITS order: Python's random is the same on every machine, so a seed
     regenerates the same splits anywhere, and this hash says so."""
     h = hashlib.sha256()
-    for split in SPLITS:
+    for split in (s for s in SPLITS + COUNTDOWN_SPLITS[len(SPLITS):] if s in splits):  # the chain task's: SPLITS
         for r in splits[split]:
             h.update((json.dumps(r) + "\n").encode())
     return h.hexdigest()
@@ -165,17 +270,15 @@ def write_splits(out, splits):
 
 def ensure_splits(lab_dir):
     """Write the lab's split files into lab_dir if any is missing (the shipped lab commits none), regenerated from
-    lab.json's seed and sizes and checked against its splits_sha256 (a lab.json without one: nothing to check
-    against, nothing written)."""
-    if all(os.path.isfile(os.path.join(lab_dir, f"{s}.jsonl")) for s in SPLITS):
-        return
+    lab.json's settings (splits_for) and checked against its splits_sha256 (a lab.json without one: nothing to
+    check against, nothing written)."""
     with open(os.path.join(lab_dir, "lab.json")) as f:
         info = json.load(f)
-    if "splits_sha256" not in info:
+    names = COUNTDOWN_SPLITS if info["settings"].get("task", "chain") == "countdown" else SPLITS
+    if all(os.path.isfile(os.path.join(lab_dir, f"{s}.jsonl")) for s in names) or "splits_sha256" not in info:
         return
     cfg = info["settings"]
-    splits = make_splits(cfg["seed"], {s: cfg[f"{s}_problems"] for s in SPLITS}, cfg["max_operand"],
-                         cfg.get("ops", "2"), cfg.get("sft_ops", ""))
+    splits = splits_for(cfg)
     got = splits_sha(splits)
     if got != info["splits_sha256"]:
         raise LabError(f"the splits regenerated from seed {cfg['seed']} do not match {lab_dir}/lab.json's "
@@ -211,19 +314,22 @@ def byte_level_chars():
     return dict(zip(bs, map(chr, cs)))
 
 
-def make_tokenizer():
+def make_tokenizer(task="chain"):
     """A byte-level BPE without merges over CHARS (byte-level, as transformers reloads a Qwen2 model's
-    tokenizer), the words WHAT_IS, plumbing.PROMPT_SUFFIX and BOX as added tokens, and the chat template."""
+    tokenizer), the words WHAT_IS, plumbing.PROMPT_SUFFIX and BOX as added tokens, and the chat template. The
+    countdown task's adds COUNTDOWN_CHARS after CHARS, and the words MAKE and FROM."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     byte_char = byte_level_chars()
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + [byte_char[ord(c)] for c in CHARS])}
+    chars = CHARS + (COUNTDOWN_CHARS if task == "countdown" else "")
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + [byte_char[ord(c)] for c in chars])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIALS[0], eos_token=SPECIALS[1],
                                    additional_special_tokens=SPECIALS[2:])
-    fast.add_tokens([AddedToken(w, normalized=False) for w in (WHAT_IS, plumbing.PROMPT_SUFFIX, BOX)])
+    words = (WHAT_IS, plumbing.PROMPT_SUFFIX, BOX) + ((MAKE, FROM) if task == "countdown" else ())
+    fast.add_tokens([AddedToken(w, normalized=False) for w in words])
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -268,14 +374,48 @@ def encode_sft(tokenizer, rows):
     return ids, labels, attention
 
 
-def sample_pass1(model, tokenizer, problems, n, max_new_tokens, seed):
-    """Mean reward of n samples per problem at T = 1.0 (pass@1 estimated from n samples), seeded."""
+def score(texts, answers):
+    """R in {0, 1} (N,) of mixed rows: countdown.check on a countdown row, verify.verify on any other (chain) row:
+    how pacs.py and eval.py score them with --reward experiments/countdown.py:check."""
+    verdicts = [countdown.check(t, a) for t, a in zip(texts, answers)]
+    return torch.tensor([float(verify.verify(t, a) if v is None else v) for v, t, a in zip(verdicts, texts, answers)])
+
+
+def sample_pass1(model, tokenizer, problems, n, max_new_tokens, seed, task="chain"):
+    """Mean reward of n samples per problem at T = 1.0 (pass@1 estimated from n samples), seeded; the chain task's
+    rewards by pacs.reward_fn, the countdown task's by score."""
     prompts = [plumbing.build_prompt(tokenizer, p["problem"]) for p in problems]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         roll = pacs.sample(model, tokenizer, prompts, n, max_new_tokens, temperature=1.0, batch_prompts=0)
     texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)
-    return pacs.reward_fn(texts, [p["answer"] for p in problems for _ in range(n)]).mean().item()
+    answers = [p["answer"] for p in problems for _ in range(n)]
+    if task == "countdown":
+        return score(texts, answers).mean().item()
+    return pacs.reward_fn(texts, answers).mean().item()
+
+
+def sample_passk(model, tokenizer, problems, n, max_new_tokens, seed, path, batch_prompts=16):
+    """The countdown lab's base eval, scored by score: n samples per problem at T = 1.0, top-p 1, in batches of
+    batch_prompts problems, each batch seeded; writes {id, answer, responses, correct, forms} per problem to path
+    (forms: the distinct canonical forms among its right countdown answers) and returns {k: pass@k} for k = 1..n."""
+    counts = []
+    with open(path, "w") as f, torch.random.fork_rng(devices=[]):
+        for b in range(0, len(problems), batch_prompts):
+            batch = problems[b:b + batch_prompts]
+            torch.manual_seed(seed + b)
+            prompts = [plumbing.build_prompt(tokenizer, p["problem"]) for p in batch]
+            roll = pacs.sample(model, tokenizer, prompts, n, max_new_tokens, temperature=1.0, batch_prompts=0)
+            texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)
+            right = score(texts, [p["answer"] for p in batch for _ in range(n)]).tolist()
+            for i, p in enumerate(batch):
+                mine, ok = texts[i * n:(i + 1) * n], [bool(x) for x in right[i * n:(i + 1) * n]]
+                forms = {countdown.canonical(verify.extract_answer(t, strict=True)) for t, y in zip(mine, ok)
+                         if y and countdown.parse_answer(p["answer"])}
+                counts.append(sum(ok))
+                f.write(json.dumps({"id": p["id"], "answer": p["answer"], "responses": mine, "correct": ok,
+                                    "forms": len(forms)}) + "\n")
+    return {str(k): sum(pacs_eval.pass_at_k(n, c, k) for c in counts) / len(counts) for k in range(1, n + 1)}
 
 
 def sft(model, tokenizer, rows, val, args, log):
@@ -303,7 +443,8 @@ def sft(model, tokenizer, rows, val, args, log):
         opt.step()
         if step % args.check_every == 0 or step == args.max_sft_steps:
             model.eval()
-            val_pass1 = sample_pass1(model, tokenizer, check_rows, args.check_n, args.max_new_tokens, args.seed + step)
+            val_pass1 = sample_pass1(model, tokenizer, check_rows, args.check_n, args.max_new_tokens, args.seed + step,
+                                     getattr(args, "task", "chain"))
             row = {"step": step, "loss": loss.item(), "val_pass1": val_pass1, "time": time.time() - t0}
             log.write(json.dumps(row) + "\n")
             log.flush()
@@ -346,6 +487,15 @@ def parse_args(argv=None):
                    "range A-B drawn uniformly")
     p.add_argument("--sft-ops", default="", help="operations per SFT solution, N or A-B (default: --ops); fewer "
                    "than --ops gives the RL splits longer chains than SFT saw")
+    p.add_argument("--task", choices=TASKS, default="chain", help="chain: the first lab's arithmetic; countdown: a "
+                   "target from three numbers, several right answers, SFT mixed with chain rows")
+    p.add_argument("--max-number", type=int, default=13, help="countdown: the numbers are 2..this")
+    p.add_argument("--min-forms", type=int, default=3, help="countdown: the canonical right answers every test, "
+                   "val and train problem has at least")
+    p.add_argument("--chain-sft-problems", type=int, default=4000, help="countdown: chain rows mixed into SFT's "
+                   "countdown rows (--sft-problems)")
+    p.add_argument("--chain-test-problems", type=int, default=200, help="countdown: the chain test split, the "
+                   "out-of-domain score")
     p.add_argument("--hidden", type=int, default=128, help="hidden size (intermediate: 2x)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
@@ -375,6 +525,10 @@ def check_args(args):
         if getattr(args, flag) < 1:
             raise LabError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     parse_ops(args.ops), parse_ops(args.sft_ops or args.ops)
+    if args.task == "countdown" and (args.max_number < 2 or args.chain_test_problems < 1 or args.chain_sft_problems < 0
+                                     or args.min_forms < 1):
+        raise LabError("countdown: --max-number must be at least 2, --chain-test-problems and --min-forms at least 1, "
+                       "--chain-sft-problems at least 0")
     if args.hidden % args.heads:
         raise LabError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     if not args.sft_lr > 0:
@@ -389,10 +543,14 @@ def build(args):
     torch.manual_seed(args.seed)
     sizes = {"sft": args.sft_problems, "train": args.train_problems, "val": args.val_problems,
              "test": args.test_problems}
-    splits = make_splits(args.seed, sizes, args.max_operand, args.ops, args.sft_ops)
+    if args.task == "countdown":
+        sizes.update(chain_sft=args.chain_sft_problems, chain_test=args.chain_test_problems)
+        splits = make_countdown_splits(args.seed, sizes, args.max_number, args.min_forms)
+    else:
+        splits = make_splits(args.seed, sizes, args.max_operand, args.ops, args.sft_ops)
     os.makedirs(args.out)
     write_splits(args.out, splits)
-    tokenizer = make_tokenizer()
+    tokenizer = make_tokenizer(args.task)
     tokenizer.padding_side = "left"  # generate's side; encode_sft pads by hand
     model = make_model(tokenizer, args.hidden, args.layers, args.heads, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
@@ -404,6 +562,8 @@ def build(args):
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     t_sft = time.time() - t0
+    if args.task == "countdown":
+        return build_countdown_summary(args, model, tokenizer, splits, steps, val_pass1, n_params, t0, t_sft)
     # the base model's pass@k on the test split, by eval.py (the sweep reuses these files as its eval_base)
     ks = ",".join(str(k) for k in range(1, args.eval_n + 1))
     ev = pacs_eval.evaluate(plumbing.parse_flags(pacs_eval.EvalConfig, "", [
@@ -429,6 +589,34 @@ def build(args):
     print(f"[lab] {args.out}: {steps} SFT steps, {summary['wall_s']:.0f}s; base model on the test split at T = 1.0:")
     print("  ".join(f"pass@{k} {passk[str(k)]:.3f}" for k in ks)
           + f"  solved by at most 1 of {args.eval_n}: {summary['test_rare_share']:.3f}")
+    return summary
+
+
+def build_countdown_summary(args, model, tokenizer, splits, steps, val_pass1, n_params, t0, t_sft):
+    """The countdown lab's base eval (sample_passk, scored by countdown.check and verify.py: eval.py's files for
+    the chain task's lab) on its test split and the chain test split, and its lab.json."""
+    os.makedirs(os.path.join(args.out, "eval_base"))
+    model.eval()
+    passk = {split: sample_passk(model, tokenizer, splits[split], args.eval_n, args.max_new_tokens, args.seed,
+                                 os.path.join(args.out, "eval_base", f"{split}.jsonl"))
+             for split in ("test", "chain_test")}
+    with open(os.path.join(args.out, "eval_base", "test.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    summary = {"settings": vars(args), "sft_steps": steps, "val_pass1_at_stop": val_pass1,
+               "parameters": n_params, "vocab": len(tokenizer), "weights_sha256": weights_sha(model),
+               "splits_sha256": splits_sha(splits), "machine": machine(), "sft_s": t_sft, "wall_s": time.time() - t0,
+               "test_pass@k": passk["test"], "chain_test_pass@k": passk["chain_test"],
+               "test_rare_share": sum(sum(r["correct"]) <= 1 for r in rows) / len(rows),
+               "test_right_answers": countdown_forms(splits["test"]),  # {canonical right answers: problems}
+               "test_forms_found": sum(r["forms"] for r in rows) / len(rows)}  # mean distinct forms the base boxed
+    with open(os.path.join(args.out, "lab.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    ks = [k for k in (1, 8, 64, 256) if k <= args.eval_n]
+    print(f"[lab] {args.out}: {steps} SFT steps, {summary['wall_s']:.0f}s; base model at T = 1.0:")
+    for name, split in (("countdown test", "test"), ("chain test", "chain_test")):
+        print(f"  {name}: " + "  ".join(f"pass@{k} {passk[split][str(k)]:.3f}" for k in ks))
+    print(f"  countdown test: {summary['test_forms_found']:.2f} distinct right answers found per problem; right "
+          f"answers per problem (canonical forms: problems) {summary['test_right_answers']}")
     return summary
 
 
