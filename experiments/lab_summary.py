@@ -313,3 +313,276 @@ def critic_window(runs_root, window=5, method="pacs"):
                        for k in CRITIC_KEYS},
                     "critic_auc_pooled": round(won / pairs, 5) if pairs else None, "critic_pairs": pairs})
     return {"method": method, "window_steps": window, "points": out}
+
+
+# ---- the pages' claims, written from summary.json ----------------------------------------------------------------
+# experiments/README.md's claims table and each lab page's results list are written here from the labs' summary.json
+# (`python experiments/lab_summary.py --pages`), between BEGIN and END markers; tests/test_regenerate_pages.py
+# writes them afresh and fails on any difference. The word of every comparison is verdict()'s.
+LEVEL = 0.05
+BASES_ROWS = 9  # the claims over five bases: 3 comparisons x 3 metrics per lab (experiments/bases.py)
+FAMILIES = {  # family: (its comparisons held at once, where the page states them); None: read at 95% only
+    "sweep lab": 12, "sweep lab2": 16, "bases": BASES_ROWS, "v2": 8, "reference": 4, "parts": 3, "base": 1,
+    "95%": None}
+
+
+def threshold_digits(threshold):
+    """`threshold` printed to the digits that decide it: the shortest %g form (3 significant digits or more) that
+    every p-value a summary prints (3 significant digits, p_value) reads against as it reads against the exact one."""
+    exponent = math.floor(math.log10(threshold))
+    grid = [m * 10.0 ** (e - 2) for e in (exponent, exponent - 1) for m in range(100, 1000)]
+    for digits in range(3, 8):
+        text = f"{threshold:.{digits}g}"
+        if all((float(f"{p:.3g}") < float(text)) == (float(f"{p:.3g}") < threshold) for p in grid):
+            return text
+    return repr(threshold)
+
+
+def family_rule(family):
+    """'0.05 / 12 = 0.00417' for a family of 12 comparisons; None for a family read at 95% only."""
+    n = FAMILIES[family]
+    return None if n is None else f"{LEVEL} / {n} = {threshold_digits(LEVEL / n)}"
+
+
+def verdict(intervals, p=None, threshold=None, detectable=None):
+    """The word for one comparison, by the rule experiments/README.md states: "above" / "below" where every 95%
+    interval lies on that side of 0 and p passes the family's Bonferroni `threshold`; "above at 95% only" / "below at
+    95% only" where the intervals do and p does not (or the family is read at 95% only: threshold None); "level"
+    where the interval spans 0 within the difference the seeds could detect (±detectable); "not resolved" else."""
+    for side, on_side in (("above", lambda i: i[0] > 0), ("below", lambda i: i[1] < 0)):
+        if all(on_side(i) for i in intervals):
+            passed = threshold is not None and p is not None and p < threshold
+            return side if passed else f"{side} at 95% only"
+    if detectable is not None and all(-detectable <= i[0] and i[1] <= detectable for i in intervals):
+        return "level"
+    return "not resolved"
+
+
+def _num(x, fmt="+.3f"):
+    return format(x, fmt).replace("-", "−")
+
+
+def _p(p):
+    return f"p {p:.3g}" if p >= 1e-4 else f"p {p:.1e}".replace("e-0", "e-")
+
+
+def find_pair(summary, a, b, metric):
+    """The paired entry a − b in `metric` at the sweep's prompts per mini-batch, wherever summary.json keeps it (the
+    sweep, the controls, v2's ablations, the reference arms, the decomposition); else computed from its runs."""
+    ppm = summary["settings"]["prompts"] // summary["settings"]["num_mini_batches"]
+    lists = [summary["paired"], (summary.get("control") or {}).get("paired", []),
+             *[x["paired"] for x in summary.get("v2_ablations") or []],
+             *[x["paired"] for x in (summary.get("reference") or {}).get("arms", [])],
+             (summary.get("decomposition") or {}).get("parts", [])]
+    for entries in lists:
+        for e in entries:
+            if (e["a"], e["b"], e["metric"], e["prompts_per_mini_batch"]) == (a, b, metric, ppm):
+                return e
+    return paired_entry(summary["runs"], a, b, metric, ppm)
+
+
+def pair_item(summary, a, b, metric, family, label, rare=False):
+    e = (next(x for x in summary["rare"]["paired"] if (x["a"], x["b"], x["metric"]) == (a, b, metric)) if rare
+         else find_pair(summary, a, b, metric))
+    n = FAMILIES[family]
+    word = verdict([e["ci95_t"]], e["p_t"], None if n is None else LEVEL / n, e["detectable_80"])
+    ci = e["ci95_t"]
+    text = f"{word}: {label} {_num(e['mean'])} [{_num(ci[0])}, {_num(ci[1])}] ({_p(e['p_t'])}"
+    return text + (f", detectable {e['detectable_80']:.3f})" if word in ("level", "not resolved") else ")")
+
+
+def bases_p(claim):
+    """(the mixed model's p, the t-test's p over the base means) of a claim over bases: two-sided, 4 df."""
+    from scipy import stats as sps
+    o, means = claim["over_bases"], [b["mean"] for b in claim["per_base"]]
+    p_mixed = 2 * sps.t.sf(abs(o["mean"] / o["se"]), o["df"])
+    p_means = 2 * sps.t.sf(abs(np.mean(means) / (np.std(means, ddof=1) / np.sqrt(len(means)))), len(means) - 1)
+    return float(p_mixed), float(p_means)
+
+
+def bases_item(summary, b, metric, label):
+    claim = next(c for c in summary["bases"]["claims"] if (c["a"], c["b"], c["metric"]) == ("pacs", b, metric))
+    o, t = claim["over_bases"], claim["t_over_base_means"]
+    p_mixed, p_means = bases_p(claim)
+    word = verdict([o["ci95"], t["ci95"]], max(p_mixed, p_means), LEVEL / BASES_ROWS)
+    return (f"over five bases {word}: {label} {_num(o['mean'])} [{_num(o['ci95'][0])}, {_num(o['ci95'][1])}] "
+            f"by the mixed model ({_p(p_mixed)}), {_num(t['mean'])} [{_num(t['ci95'][0])}, {_num(t['ci95'][1])}] "
+            f"over the base means ({_p(p_means)})")
+
+
+def base_item(summary, method="pacs"):
+    """`method`'s test pass@1 against the base model's (one number, no spread): a one-sample t-test over seeds."""
+    from scipy import stats as sps
+    values = [r["pass@1"] for r in summary["runs"] if r["method"] == method]
+    base = summary["base"]["pass@k"]["1"]
+    mean, lo, hi = t_interval(values)
+    p = float(sps.ttest_1samp(values, base).pvalue)
+    word = verdict([[lo - base, hi - base]], p, LEVEL)
+    return f"{word}: base {base:.3f} → {method.upper()} {mean:.3f} [{lo:.3f}, {hi:.3f}] ({_p(p)})"
+
+
+def row_item(summary, key):
+    """stability.md's reading of the stability or efficiency row (stability.row_reading) and its tests at 95%."""
+    claim = summary[key]["claim"]
+    names = {"spread": "spread", "drawdown": "drawdown", "log_grad_spike": "gradient spike",
+             "mean_reward": "reward per sample", "samples_to_half_gain": "samples to half the gain"}
+    tests = [f"{names[t['metric']]} " + (f"favours PACS over {t['b'].upper()}" if t["favours"] == "pacs" else
+                                         f"favours {t['b'].upper()} over PACS") + f" ({_p(t['p'])})"
+             for t in claim["tests"] if t["at_95"]]
+    n = round(LEVEL / claim["threshold"])
+    return f"{claim['verdict']} at p < {LEVEL} / {n} = {threshold_digits(claim['threshold'])}" + (
+        f": {'; '.join(tests)}" if tests else "")
+
+
+A, B = "lab", "lab2"
+CLAIM_ROWS = [  # (the paper's claim, its source, {lab: [item, ...] or a sentence with no number})
+    ("PACS above PPO and GRPO in accuracy (pass@1 here)", "v1 Tables 1–2, every k (7B: above both in every cell; "
+     "3B: below one of them in 6 of 24); v2 Sec. 4.2, Tables 2, 6", {
+        A: [("pair", "pacs", "ppo", "pass@1", "sweep lab", "− PPO"),
+            ("pair", "pacs", "grpo", "pass@1", "sweep lab", "− GRPO"),
+            ("pair", "pacs-beta2", "ppo", "pass@1", "sweep lab", "at β = 2 − PPO"),
+            ("pair", "pacs-beta2", "grpo", "pass@1", "sweep lab", "at β = 2 − GRPO"),
+            ("bases", "ppo", "pass@1", "− PPO"), ("bases", "grpo", "pass@1", "− GRPO")],
+        B: [("pair", "pacs", "ppo", "pass@1", "sweep lab2", "− PPO"),
+            ("pair", "pacs", "grpo", "pass@1", "sweep lab2", "− GRPO"),
+            ("bases", "ppo", "pass@1", "− PPO"), ("bases", "grpo", "pass@1", "− GRPO")]}),
+    ("pass@1 above the base model (+8.26 at 4B, +9.57 at 8B)", "v2 abstract, Table 1",
+     {A: [("base",)], B: [("base",)]}),
+    ("pass@256 above PPO and GRPO (\"59.78%, +13.32 and +14.36\": v1 Table 2's AIME 2024 cells, where the base is "
+     "above PACS; on AIME 2025 +15.31 and +11.77; at 3B PACS is below the base at k = 256 on all three sets)",
+     "v1 abstract, Tables 1–2; dropped in v2", {
+        A: "not testable: the base model's pass@64 leaves no room",
+        B: [("pair", "pacs", "ppo", "pass@256", "sweep lab2", "− PPO"),
+            ("pair", "pacs", "ppo@lr2.5e-05", "pass@256", "95%", "− PPO at PACS's lr (a control)"),
+            ("pair", "pacs", "grpo", "pass@256", "sweep lab2", "− GRPO"),
+            ("pair", "pacs", "reinforce", "pass@256", "sweep lab2", "− REINFORCE"),
+            ("bases", "ppo", "pass@256", "− PPO"), ("bases", "grpo", "pass@256", "− GRPO")]}),
+    ("above PPO and GRPO most on the hardest set (BeyondAIME pass@64)", "v2 Sec. 1, 4.2; Tables 2, 6", {
+        A: "not testable: no hard set",
+        B: [("rare", "pacs", "grpo", "pass@64", "95%", "on the rarely solved problems − GRPO"),
+            ("rare", "pacs", "ppo", "pass@64", "95%", "− PPO")]}),
+    ("the implicit critic: \"implicitly coupling actor and critic roles\"", "v1 abstract; v2 Eq. 5", {
+        A: [("pair", "pacs", "pacs-critic-off", "pass@1", "sweep lab", "σ(ψ) on − off"),
+            ("bases", "pacs-critic-off", "pass@1", "on − off"),
+            ("pair", "pacs", "pacs-critic-class-shuffled", "pass@1", "parts", "its self-damping"),
+            ("pair", "pacs-critic-group-shuffled", "pacs-critic-off", "pass@1", "parts", "its values at random")],
+        B: [("pair", "pacs", "pacs-critic-off", "pass@1", "sweep lab2", "σ(ψ) on − off"),
+            ("pair", "pacs", "pacs-critic-off@lr2.5e-05", "pass@1", "95%", "− off at PACS's lr (a control)"),
+            ("bases", "pacs-critic-off", "pass@1", "on − off")]}),
+    ("PPO and GRPO collapse in entropy, PACS does not", "v2 Sec. 3.4, 6.2; Fig. 5a", {
+        A: [("pair", "pacs", "ppo", "final_entropy", "95%", "final entropy − PPO"),
+            ("pair", "pacs", "grpo", "final_entropy", "95%", "− GRPO"),
+            ("bases", "ppo", "final_entropy", "− PPO"), ("bases", "grpo", "final_entropy", "− GRPO")],
+        B: [("pair", "pacs", "ppo", "final_entropy", "95%", "final entropy − PPO"),
+            ("pair", "pacs", "grpo", "final_entropy", "95%", "− GRPO"),
+            ("bases", "ppo", "final_entropy", "− PPO"), ("bases", "grpo", "final_entropy", "− GRPO")]}),
+    ("more diverse correct answers than GRPO (S_div)", "v2 Sec. 6.2, Table 3", {
+        A: "not measured: the lab's answers are single numbers", B: "not measured"}),
+    ("β: robust, pass@1 best in [0.5, 1], β = 1 chosen", "v2 Sec. 5.1, Fig. 4", {
+        A: [("pair", "pacs-beta2", "pacs", "pass@1", "v2", "β = 2 − β = 1"),
+            ("pair", "pacs-beta0.5", "pacs", "pass@1", "v2", "β = 0.5 − β = 1"),
+            ("pair", "pacs-beta2", "pacs-beta4", "pass@1", "v2", "β = 2 − β = 4"),
+            ("pair", "pacs-beta0.1", "pacs", "pass@1", "v2", "β = 0.1 − β = 1"),
+            ("pair", "pacs-beta10", "pacs", "pass@1", "v2", "β = 10 − β = 1")],
+        B: "β = 1 only"}),
+    ("the class weights help (v2: \"w/o weight\" −1.27 to +1.35 points of pass@1 over 8 cells, below PACS in 6)",
+     "v2 Sec. 5.3; Tables 2, 6", {
+        A: [("pair", "pacs-no-balance", "pacs", "pass@1", "v2", "without them − PACS")], B: "not run"}),
+    ("RLOO above GRPO- and Dr.GRPO-style scores (v2, 4B BeyondAIME pass@1: 27.16, 26.41, 26.67)",
+     "v2 Sec. 5.2; App. D.3", {
+        A: [("pair", "pacs-est-grpo", "pacs", "pass@1", "v2", "GRPO-style − RLOO, under π_old at PACS's lr"),
+            ("pair", "pacs-est-drgrpo", "pacs", "pass@1", "v2", "Dr.GRPO-style − RLOO")],
+        B: "not run"}),
+    ("the reference policy π_ref with periodic resets", "v2 Sec. 3.4", {
+        A: [("pair", "pacs-ref16-keep-opt", "pacs", "pass@1", "reference", "reset every 16, AdamW kept − π_old"),
+            ("pair", "pacs-ref16", "pacs", "pass@1", "reference", "every 16 − π_old"),
+            ("pair", "pacs-ref4", "pacs", "pass@1", "reference", "every 4 − π_old"),
+            ("pair", "pacs-ref-never", "pacs", "pass@1", "reference", "never reset − π_old")],
+        B: "not run"}),
+    ("more stable training", "v1 abstract; v2 abstract", {A: [("row", "stability")], B: [("row", "stability")]}),
+    ("more efficient training", "v1 abstract; v2 abstract", {A: [("row", "efficiency")], B: [("row", "efficiency")]}),
+    ("out of domain (LiveCodeBench, GPQA)", "v2 Sec. 6.1, Fig. 6", {A: "not testable: one task", B: "not testable"}),
+    ("PACS-4B above Qwen3-14B on AIME 2025", "v2 Sec. 1, Table 1", {A: "not testable: no scale", B: "not testable"}),
+]
+
+
+def item_text(summary, lab, item):
+    kind = item[0]
+    if kind == "pair":
+        family = item[4] if item[4] != "sweep lab" else f"sweep {lab}"
+        return pair_item(summary, *item[1:4], family, item[5])
+    if kind == "rare":
+        return pair_item(summary, *item[1:4], item[4], item[5], rare=True)
+    if kind == "bases":
+        return bases_item(summary, *item[1:])
+    if kind == "base":
+        return base_item(summary)
+    return row_item(summary, item[1])
+
+
+def cell(summaries, lab, spec):
+    return spec if isinstance(spec, str) else "; ".join(item_text(summaries[lab], lab, i) for i in spec)
+
+
+def claims_table(summaries):
+    """experiments/README.md's claims table: one row per claim of the paper, a cell per lab."""
+    lines = ["| the paper's claim | source | first lab | second lab |", "|---|---|---|---|"]
+    for claim, source, cells in CLAIM_ROWS:
+        lines.append(f"| {claim} | {source} | {cell(summaries, A, cells[A])} | {cell(summaries, B, cells[B])} |")
+    return "\n".join(lines)
+
+
+def results_list(summaries, lab):
+    """A lab page's results list: its column of the claims table, one item per claim it tests."""
+    rules = ", ".join(f"{name} {family_rule(f)}" for name, f in (
+        ("the sweep's table", f"sweep {lab}"), ("over bases", "bases"), *((("v2's ablations and β", "v2"),
+                                                                           ("π_ref's arms", "reference"),
+                                                                           ("the critic's parts", "parts"))
+                                                                          if lab == A else ())))
+    lines = [f"Thresholds (Bonferroni): {rules}; the entropy, the controls and the rarely solved problems at 95%.", ""]
+    for claim, _, cells in CLAIM_ROWS:
+        if not isinstance(cells[lab], str):
+            lines.append(f"- **{claim}**: {cell(summaries, lab, cells[lab])}.")
+    return "\n".join(lines)
+
+
+LABS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "labs")
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+BEGIN = "<!-- {}: python experiments/lab_summary.py --pages -->"
+END = "<!-- end of the {} -->"
+
+
+def pages(labs_dir=LABS_DIR):
+    """{path: {block name: text}}: what `--pages` writes between each page's markers, from the labs' summary.json."""
+    summaries = {}
+    for lab in (A, B):
+        with open(os.path.join(labs_dir, lab, "summary.json")) as f:
+            summaries[lab] = json.load(f)
+    return {README: {"claims table": claims_table(summaries)},
+            **{os.path.join(labs_dir, lab, "README.md"): {"results list": results_list(summaries, lab)}
+               for lab in (A, B)}}
+
+
+def between(text, name):
+    """The text a page holds between its `name` markers (stripped)."""
+    begin, end = BEGIN.format(name), END.format(name)
+    return text[text.index(begin) + len(begin):text.index(end)].strip()
+
+
+def write_pages(labs_dir=LABS_DIR):
+    for path, blocks in pages(labs_dir).items():
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        for name, block in blocks.items():
+            begin, end = BEGIN.format(name), END.format(name)
+            text = text[:text.index(begin) + len(begin)] + "\n" + block + "\n" + text[text.index(end):]
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] != ["--pages"]:
+        sys.exit("usage: python experiments/lab_summary.py --pages  (writes the claims table and the labs' results "
+                 "lists from summary.json)")
+    write_pages()
