@@ -208,9 +208,25 @@ def test_a_margin_over_bases_is_at_the_threshold_only_where_both_p_values_pass_i
     with open(os.path.join(EXPERIMENTS, "labs", "lab", "summary.json"), encoding="utf-8") as f:
         claims = {(c["b"], c["metric"]): c for c in json.load(f)["bases"]["claims"] if c["a"] == "pacs"}
     readme = open(os.path.join(EXPERIMENTS, "README.md"), encoding="utf-8").read()
-    cell = readme[readme.index("Over five bases: below PPO"):].split("|")[0]
-    words = {"threshold": "at the 9 rows' threshold", "95% only": "at 95% only"}
+    row = next(line for line in readme.splitlines() if line.startswith("| PACS above PPO and GRPO in accuracy"))
+    cell = row.split(" | ")[2]  # the first lab's
+    words = {"threshold": "over five bases below", "95% only": "over five bases below at 95% only"}
     for method, name in (("ppo", "PPO"), ("grpo", "GRPO")):
         verdict = over_bases_verdict(claims[method, "pass@1"])
-        assert re.search(rf"below {name} {re.escape(words[verdict])}", cell), (name, verdict, cell)
+        assert re.search(rf"{re.escape(words[verdict])}: − {name} ", cell), (name, verdict, cell)
     assert over_bases_verdict(claims["ppo", "pass@1"]) == "95% only"
+
+
+def test_every_threshold_is_printed_to_the_digits_that_decide_it():
+    """A Bonferroni threshold '0.05 / N = X' on any page prints X as lab_summary.threshold_digits gives it: the digits
+    that read every 3-significant-digit p as the exact threshold does (0.00556, not 0.0056, where 0.00558 fails)."""
+    import sys
+    sys.path.insert(0, EXPERIMENTS)
+    from lab_summary import threshold_digits
+    wrong = []
+    for page in PAGES:
+        text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+        for n, x in re.findall(r"0\.05 / (\d+) = (0\.\d+)", text):
+            if x != threshold_digits(0.05 / int(n)):
+                wrong.append(f"{page}: 0.05 / {n} = {x}, where {threshold_digits(0.05 / int(n))} decides")
+    assert not wrong, "\n".join(wrong)

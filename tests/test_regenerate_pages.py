@@ -25,15 +25,15 @@ def test_the_pages_lists_are_what_the_summaries_write(path):
 
 @pytest.mark.parametrize("path", sorted(PAGES), ids=[os.path.relpath(p, ROOT) for p in sorted(PAGES)])
 def test_no_number_of_a_list_stands_outside_its_markers(path):
-    """A mean with its interval, as the lists print it ('−0.025 [−0.040, −0.011]'), appears once: inside the markers."""
+    """A mean with its interval as the lists print it ('−0.025 [−0.040, −0.011]') appears once: inside the markers."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     outside = text
     for name in PAGES[path]:
         begin, end = lab_summary.BEGIN.format(name), lab_summary.END.format(name)
         outside = outside[:outside.index(begin)] + outside[outside.index(end) + len(end):]
-    listed = {m for block in PAGES[path].values() for m in re.findall(r"[+−]\d\.\d{3} \[[+−]\d\.\d{3}, [+−]\d\.\d{3}\]",
-                                                                       block)}
+    interval = r"[+−]\d\.\d{3} \[[+−]\d\.\d{3}, [+−]\d\.\d{3}\]"
+    listed = {m for block in PAGES[path].values() for m in re.findall(interval, block)}
     prose = re.sub(r"^\|.*$", "", outside, flags=re.M)  # tables are the lab's own tables, not prose
     restated = sorted(m for m in listed if m in prose)
     assert not restated, f"{os.path.relpath(path, ROOT)} restates outside its markers: {restated}"
