@@ -55,3 +55,19 @@ def test_a_threshold_is_printed_to_the_digits_that_decide_it():
     assert digits(0.05 / 9) == "0.00556" and digits(0.05 / 12) == "0.00417" and digits(0.05 / 16) == "0.00313"
     assert digits(0.05 / 6) == "0.008333"  # 0.00833 would read a printed p of 0.00833 as not passing
     assert digits(0.05 / 8) == "0.00625" and digits(0.05 / 4) == "0.0125"
+
+
+def test_the_readmes_evidence_numbers_are_the_claims_tables():
+    """The README's table of evidence keeps a few headline numbers; each is read here from its home, the claims table
+    that lab_summary writes from the labs' summary.json, so a changed summary cannot leave the README behind."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    table = readme[readme.index("| the paper's claim | first lab"):].split("\n\n")[0]
+    home = lab_summary.pages()[lab_summary.README]["claims table"]
+    numbers = re.findall(r"[+−]\d\.\d{3}", table)
+    assert len(numbers) >= 6, numbers
+    missing = [n for n in numbers if n not in home]
+    assert not missing, f"README's evidence table holds numbers its home does not: {missing}"
+    for word in ("below PPO, −0.025", "− PPO +0.043 [+0.012, +0.073] at 95% only"):
+        assert word in table
+    assert "below: − PPO −0.025" in home and "above at 95% only: − PPO +0.043 [+0.012, +0.073]" in home
