@@ -25,7 +25,7 @@ def test_the_pages_lists_are_what_the_summaries_write(path):
 
 @pytest.mark.parametrize("path", sorted(PAGES), ids=[os.path.relpath(p, ROOT) for p in sorted(PAGES)])
 def test_no_number_of_a_list_stands_outside_its_markers(path):
-    """A mean with its interval as the lists print it ('−0.025 [−0.040, −0.011]') appears once: inside the markers."""
+    """A mean and its interval as the lists print them stand inside the markers only."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     outside = text
