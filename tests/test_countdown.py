@@ -1,6 +1,7 @@
 """experiments/countdown.py, the countdown task's checker (right answers in several forms, the target alone, other
-numbers, a number twice, none, malformed, a division by zero: each its verdict; None for a chain row), its canonical
-forms, and lab.py's countdown task: several right answers per problem, the chain task's build unchanged, a toy build."""
+numbers, a number twice, none, malformed, a division by zero: each its verdict; None for a chain row), its
+canonical forms, and lab.py's countdown task: several right answers per problem, the chain task's build unchanged,
+a toy build."""
 import json
 import os
 import sys
