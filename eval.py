@@ -1,9 +1,10 @@
 """Evaluate a model or a PACS checkpoint: pass@k on math benchmarks, as in the paper's tables (arXiv 2509.02522).
 
 For each problem, sample n responses with HF `generate` (the training prompt from pacs.py; temperature 0.6 and
-top_p 0.95, as paper v2 and the official inference script) and label each with verify.verify. Per dataset it
-reports the unbiased pass@k for every requested k <= n, the mean accuracy over all samples (avg@n) with a 95%
-bootstrap interval over problems, the mean response length in tokens and the share of truncated responses (no EOS).
+top_p 0.95, as paper v2 and the official inference script) and label each with verify.verify (or with the checker
+--reward FILE.py:FUNCTION brings, as pacs.py does). Per dataset it reports the unbiased pass@k for every requested
+k <= n, the mean accuracy over all samples (avg@n) with a 95% bootstrap interval over problems, the mean response
+length in tokens and the share of truncated responses (no EOS).
 
 Run it:
     # the paper's benchmarks, for a base model or a checkpoint (hub, or --data-dir for offline copies):
@@ -75,6 +76,8 @@ class EvalConfig:  # flags parsed by plumbing.parse_flags (HfArgumentParser), as
     data_dir: str = flag("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data)")
     problem_key: str = flag("", "problem column of a local file (empty: 'problem')")
     answer_key: str = flag("", "answer column of a local file (empty: 'answer')")
+    reward: str = flag("", "pacs.py's --reward: FILE.py:FUNCTION checks each response, None leaving a row "
+                       "to verify.py; empty: verify.py")
     prompt: Optional[Literal["official", "v2"]] = flag(None, "pacs.py's --prompt: official (one user turn) | "
                                                        "v2 (App. C.1's system turn first); unset: "
                                                        "--protocol's (default: official, v2: v2)")
@@ -144,8 +147,9 @@ EVAL_PRESETS = {
 
 
 # the settings a run's samples depend on: a resumed run must match them, or it would mix two experiments
-SAMPLE_KEYS = ("model", "n", "temperature", "top_p", "max_new_tokens", "seed", "prompt", "thinking")
-SAMPLE_DEFAULTS = {"prompt": "official", "thinking": True}  # what a config.json from before these keys sampled with
+SAMPLE_KEYS = ("model", "n", "temperature", "top_p", "max_new_tokens", "seed", "prompt", "thinking", "reward")
+# what a config.json from before these keys sampled (and checked) with
+SAMPLE_DEFAULTS = {"prompt": "official", "thinking": True, "reward": ""}
 
 
 # =====================================================================================================
@@ -376,6 +380,7 @@ def evaluate(args):
     if args.diversity:
         check_diversity_flags(args.diversity, args.diversity_k)
     trackers = plumbing.report_targets(args.report_to)
+    check = plumbing.load_reward(args.reward)  # verify.verify, or --reward's checker: a bad one fails here
     data = load_datasets(args)  # bad names fail here, before the model loads
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "samples.jsonl")
@@ -417,7 +422,8 @@ def evaluate(args):
                 samples = sample_batch(model, tokenizer, batch, args, cache_tokens)
                 t_sample = time.time()
                 correct = pacs.reward_fn([t for texts, _, _ in samples for t in texts],
-                                         [p["answer"] for p, (texts, _, _) in zip(batch, samples) for _ in texts])
+                                         [p["answer"] for p, (texts, _, _) in zip(batch, samples) for _ in texts],
+                                         check=check)
                 for j, (p, (texts, lengths, trunc)) in enumerate(zip(batch, samples)):
                     if (name, p["id"]) in done:  # finished before a kill: keep the stored row
                         continue

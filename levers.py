@@ -3,7 +3,7 @@ one's measured ratio, or "not run on a GPU").
 
 A leaf module: torch and transformers only. pacs.py and plumbing.py reach it through a few hooks:
     on_device        what each `auto` flag means on the run's device: the one place `auto` becomes "on with CUDA"
-    VerifierPool     --verify-workers: the verifier in processes, beside phase 3 (verify_beside)
+    VerifierPool     --verify-workers: the verifier in processes, beside phase 3 (pacs.reward_fn's wait=False)
     decoding         generate's levers around one model.generate call: --static-cache (with static_cache), --sampler
                      gumbel, --defer-stop-check
     compiled_head    --compile-head: the LM head's log-probs compiled (compiled_head_logprobs runs a chunk)
@@ -18,7 +18,7 @@ import functools
 import inspect
 import multiprocessing
 import os
-import threading
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -70,6 +70,18 @@ def ignore_sigint():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+class Verdicts:
+    """R in {0, 1} (N,) once they arrive: .get() waits for a VerifierPool's (an AsyncResult) and hands back the
+    float tensor; verdicts already worked out (a list or a tensor) are handed back as they are."""
+
+    def __init__(self, verdicts):
+        self.verdicts = verdicts
+
+    def get(self):
+        verdicts = self.verdicts.get() if hasattr(self.verdicts, "get") else self.verdicts
+        return torch.as_tensor(verdicts, dtype=torch.float32)
+
+
 class VerifierPool:
     """--verify-workers: processes for a pure function of strings (the verifier; never torch), used for min_answers
     answers or more (fewer verify faster in-process). workers 0: one per core this process may use, at most 16; 1:
@@ -81,6 +93,7 @@ class VerifierPool:
         self.workers = min(len(os.sched_getaffinity(0)), 16) if workers == 0 else workers
         self.pool = None
         if self.workers > 1:
+            self.modules = set(sys.modules)  # what the processes inherit: they can call functions of these only
             self.pool = multiprocessing.get_context("fork").Pool(self.workers, initializer=ignore_sigint)
             atexit.register(self.close)  # a pool still running at exit (Ctrl-C, an error) is ended
 
@@ -88,10 +101,14 @@ class VerifierPool:
         """Whether n answers go to the processes."""
         return self.pool is not None and n >= self.min_answers
 
-    def map(self, fn, *columns):
-        """[fn(*row) for row in zip(*columns)], over the processes: four chunks a worker, balanced, few round trips."""
+    def map_async(self, fn, *columns):
+        """[fn(*row) for row in zip(*columns)] over the processes, handed back at once (a multiprocessing AsyncResult:
+        .get() waits for the list, and raises a worker's error): four chunks a worker, balanced, few round trips."""
+        module = getattr(fn, "module", fn.__module__)  # a plumbing.RewardChecker names its function's
+        if module not in self.modules:  # a worker could not unpickle the call, and its verdicts would never come
+            raise ValueError(f"{module} was imported after the verifier's processes started: import it before")
         rows = list(zip(*columns))
-        return self.pool.starmap(fn, rows, chunksize=-(-len(rows) // (4 * self.workers)))
+        return self.pool.starmap_async(fn, rows, chunksize=-(-len(rows) // (4 * self.workers)))
 
     def __enter__(self):
         return self
@@ -105,34 +122,6 @@ class VerifierPool:
         if pool is not None:
             pool.terminate()
             pool.join()
-
-
-def verify_beside(reward_fn, responses, answers, pool=None):
-    """reward_fn(responses, answers, pool), handed back by a call: verdicts = verify_beside(...); rewards =
-    verdicts(). Over the pool's processes (where it takes them) it runs in a thread that waits on them while the
-    caller goes on (train_step's phase 3 needs no rewards), so the step waits only for what phase 3 did not hide;
-    otherwise it runs now, in this process (reward_fn(responses, answers)), before the caller goes on. The same
-    verdicts either way: the verifier is a pure function."""
-    if pool is None or not pool.takes(len(responses)):
-        rewards = reward_fn(responses, answers)
-        return lambda: rewards
-    box = {}
-
-    def work():  # a daemon thread: a Ctrl-C or an error in the caller never waits for it
-        try:
-            box["rewards"] = reward_fn(responses, answers, pool)
-        except BaseException as e:  # noqa: BLE001 (re-raised in the caller by verdicts())
-            box["error"] = e
-
-    thread = threading.Thread(target=work, name="pacs-verify", daemon=True)
-    thread.start()
-
-    def verdicts():
-        thread.join()
-        if "error" in box:
-            raise box["error"]
-        return box["rewards"]
-    return verdicts
 
 
 # ---- generate's levers: --static-cache (and flex), --sampler gumbel, --defer-stop-check ------------------------

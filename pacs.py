@@ -100,6 +100,8 @@ class Config:
     data_dir: str = flag("", "read presets from offline JSONL copies in this dir (e.g. ../shared/data)")
     problem_key: str = flag("", "problem column of a local file (empty: 'problem')")
     answer_key: str = flag("", "answer column of a local file (empty: 'answer')")
+    reward: str = flag("", "FILE.py:FUNCTION, your checker (response, answer) -> bool, None for a row it "
+                       "leaves to verify.py; empty: verify.py (docs/verifier.md)")
     eval_dataset: str = flag("", "held-out set for greedy accuracy (empty: the preset's test split)")
     eval_every: int = flag(10, "greedy held-out accuracy every N steps (0 = off)")
     eval_size: int = flag(64, "held-out problems used for that accuracy")
@@ -538,22 +540,26 @@ def sample(model, tokenizer, prompts, group_size=1, max_new_tokens=1024, tempera
 
 
 def greedy_accuracy(model, tokenizer, problems, max_new_tokens, batch_prompts=32, speed=levers.Levers(),
-                    verifier_pool=None):
-    """The held-out accuracy (float64, as np.mean): one greedy response per problem, verified (reward_fn)."""
+                    verifier_pool=None, check=verify):
+    """The held-out accuracy (float64, as np.mean): one greedy response per problem, checked (reward_fn)."""
     prompts = plumbing.prompts_of(tokenizer, problems)  # as training_problems rendered them
     roll = sample(model, tokenizer, prompts, 1, max_new_tokens, greedy=True, batch_prompts=batch_prompts,
                   progress=True, speed=speed)
     texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
     answers = [p["answer"] for p in problems]
-    return levers.verify_beside(reward_fn, texts, answers, verifier_pool)().double().mean().item()  # as in phase 2
+    return reward_fn(texts, answers, verifier_pool, check).double().mean().item()  # as in phase 2
 
 
-def reward_fn(responses, answers, verifier_pool=None):
-    """R in {0, 1} (N,): the rule-based verifier's verdict on each response (verify.py); over --verify-workers'
-    processes (a levers.VerifierPool) where the pool takes them: the same verdicts, verify is a pure function."""
+def reward_fn(responses, answers, verifier_pool=None, check=verify, wait=True):
+    """R in {0, 1} (N,): check(response, answer) on each response, the rule-based verifier (verify.py) unless --reward
+    brings another (plumbing.load_reward); over --verify-workers' processes (a levers.VerifierPool) where the pool
+    takes them: the same verdicts, check is a pure function. wait=False hands back a handle at once (a
+    levers.Verdicts: rewards = handle.get()), the processes verifying while the caller goes on (phase 3 needs no R)."""
     if verifier_pool is not None and verifier_pool.takes(len(responses)):
-        return torch.tensor([float(v) for v in verifier_pool.map(verify, responses, answers)])
-    return torch.tensor([float(verify(r, a)) for r, a in zip(responses, answers)])
+        verdicts = levers.Verdicts(verifier_pool.map_async(check, responses, answers))
+    else:
+        verdicts = levers.Verdicts([check(r, a) for r, a in zip(responses, answers)])
+    return verdicts.get() if wait else verdicts
 
 
 # =====================================================================================================
@@ -706,7 +712,8 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
     # ---- 2. verify: R in {0, 1} per response (ten lines: 2); with verifier processes, beside phase 3 ------
     texts = tokenizer.batch_decode(roll["response_ids"], skip_special_tokens=True)  # after EOS: pad already
     answers = [p["answer"] for p in batch for _ in range(G)]
-    verdicts = levers.verify_beside(reward_fn, texts, answers, verifier_pool)  # rewards = verdicts()
+    check = plumbing.load_reward(cfg.reward)  # verify.py's verifier, or --reward's checker (loaded before the fork)
+    verdicts = reward_fn(texts, answers, verifier_pool, check, wait=False)  # a handle: rewards = verdicts.get()
     mask = roll["response_mask"].float()  # (B, T)
     B, rows = len(texts), plumbing.rows_per_mini_batch(cfg)
     t_verify = time.time()
@@ -715,7 +722,7 @@ def train_step(cfg, model, tokenizer, optimizer, problems, step, device, rollout
         with attempt:
             reference, entropy_sum = reference_logprobs(cfg, model, ref_model, roll, sizes, device)  # (B, T), ()
     lp_rows, t_ref = sizes.micro_batch_size, time.time()  # phase 3's rows per forward: phase 4 takes its route
-    rewards, t_rewards = verdicts().to(device), time.time()  # (B,)
+    rewards, t_rewards = verdicts.get().to(device), time.time()  # (B,): waits for the verifier's processes, if any
     ppo = value_model_targets(cfg, critic, roll, rewards, sizes, device, step) if critic is not None else None
     t_old = time.time()
     # ---- 4. M updates: an AdamW step per mini-batch of whole groups (ten lines: 3-7, 9-10) --------------
@@ -963,6 +970,7 @@ def make_optimizer(cfg, model, fused=True, lr=None):
 
 def train(cfg):
     plumbing.check_config(cfg)
+    plumbing.load_reward(cfg.reward)  # --reward's checker, before the fork: the verifier's processes inherit it
     from transformers import set_seed
     set_seed(cfg.seed)  # python, numpy and torch: CPU runs are bit-reproducible for a given seed
     device = plumbing.pick_device(cfg)
@@ -1007,7 +1015,8 @@ def train_loop(cfg, device, speed, verifier_pool):
         if eval_problems and (step % cfg.eval_every == 0 or last):
             batch_prompts = plumbing.eval_batch_prompts(cfg, sizes, device)
             metrics["eval_acc"] = greedy_accuracy(rollout_model, tokenizer, eval_problems, cfg.max_new_tokens,
-                                                  batch_prompts, speed, verifier_pool)
+                                                  batch_prompts, speed, verifier_pool,
+                                                  plumbing.load_reward(cfg.reward))
         # outside the step: the held-out eval (with the copy's refresh), and the checkpoint written after the last step
         metrics.update(time_eval=time.time() - t0 if "eval_acc" in metrics else 0.0, time_save=time_save)
         time_save = 0.0

@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 import levers
+import verify
 
 
 def flag(default, help, **argparse_keywords):
@@ -43,7 +44,7 @@ class ConfigError(Exception):
 
 
 # =====================================================================================================
-# Data: presets, local files, the synthetic task; the prompt; the data order
+# Data: presets, local files, the synthetic task; the prompt; the data order; the reward (--reward)
 # =====================================================================================================
 
 
@@ -214,6 +215,49 @@ def batch_indices(step, n_problems, per_step, seed):
         perm = torch.randperm(n_problems, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
         out.append(int(perm[i]))
     return out
+
+
+@functools.cache
+def load_reward(spec):
+    """--reward FILE.py:FUNCTION: the user's checker as a RewardChecker (empty: verify.verify, the default). Loaded
+    once a run, before the verifier's processes fork: they inherit its module, so the checker is theirs to call."""
+    if not spec:
+        return verify.verify
+    path, colon, name = spec.rpartition(":")
+    if not colon or not path.endswith(".py") or not name.isidentifier():
+        raise ConfigError(f"--reward {spec}: expected FILE.py:FUNCTION")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--reward {spec}: no file {path}")
+    module_name = "pacs_reward_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]  # pickled by name
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # where a verifier process's unpickling finds the function
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 (the user's file: its error in one line)
+        del sys.modules[module_name]
+        raise ConfigError(f"--reward {spec}: importing {path} failed: {type(e).__name__}: {e}") from None
+    if not callable(getattr(module, name, None)):
+        raise ConfigError(f"--reward {spec}: {path} has no function {name}")
+    return RewardChecker(spec, getattr(module, name))
+
+
+class RewardChecker:
+    """--reward's checker, called as verify.verify is, (response, answer) -> bool. The user's function decides its
+    rows; where it returns None (a row of another task: a mixed dataset is scored row by row) verify.py does. A
+    verdict that is neither is the run's one-line error."""
+
+    def __init__(self, spec, fn):
+        self.spec, self.fn, self.module = spec, fn, fn.__module__  # module: what a verifier process must have
+
+    def __call__(self, response, answer):
+        verdict = self.fn(response, answer)
+        if verdict is None:
+            return verify.verify(response, answer)
+        if not isinstance(verdict, (bool, np.bool_)):
+            raise ConfigError(f"--reward {self.spec} returned {type(verdict).__name__} {str(verdict)[:40]!r} for "
+                              f"answer {str(answer)[:40]!r}, not a bool (or None: verify.py's verdict)")
+        return bool(verdict)
 
 
 # =====================================================================================================

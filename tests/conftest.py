@@ -117,6 +117,17 @@ def guarded_setattr(self, target, *args, **kwargs):
 unguarded_setattr, pytest.MonkeyPatch.setattr = pytest.MonkeyPatch.setattr, guarded_setattr
 
 SPECIALS = ["<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|unk|>"]
+def reward_stand_in(rewards_of):
+    """A stand-in for pacs.reward_fn from rewards_of(texts, answers) -> (N,) rewards: called as train_step calls the
+    real one, it hands back what the real one does (the tensor; with wait=False a levers.Verdicts)."""
+    import levers
+
+    def reward_fn(responses, answers, verifier_pool=None, check=None, wait=True):
+        verdicts = levers.Verdicts(rewards_of(responses, answers))
+        return verdicts.get() if wait else verdicts
+    return reward_fn
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 

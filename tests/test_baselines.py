@@ -20,6 +20,7 @@ import torch
 import pacs
 
 import plumbing
+import conftest
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -393,7 +394,7 @@ def run(model, out_dir, *extra):
 
 
 def test_one_ppo_step_moves_both_models_and_logs_the_critic(digit_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(pacs, "reward_fn", mixed_rewards)
+    monkeypatch.setattr(pacs, "reward_fn", conftest.reward_stand_in(mixed_rewards))
     rows = run(digit_model, tmp_path, "--steps", "1")
     ckpt = plumbing.latest_checkpoint(str(tmp_path))
     cfg = pacs.parse_args(["--algo", "ppo"])
@@ -415,7 +416,7 @@ def test_one_ppo_step_moves_both_models_and_logs_the_critic(digit_model, tmp_pat
 
 
 def test_a_killed_ppo_run_resumes_to_the_uninterrupted_one(digit_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(pacs, "reward_fn", mixed_rewards)
+    monkeypatch.setattr(pacs, "reward_fn", conftest.reward_stand_in(mixed_rewards))
     timing = {"time_generate", "time_verify", "time_old_logprobs", "time_update", "time_eval", "time_save",
               "step_time", "samples_per_s"}
     strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]
@@ -437,7 +438,7 @@ def test_ppo_out_of_memory_in_the_critic_halves_the_micro_batch_and_redoes_it_fr
         digit_model, tmp_path, monkeypatch, capsys):
     """The critic's OOM strikes after its first micro-batch has already run backward: the retried mini-batch
     must start from zero gradients, so the run equals one that used the smaller size from the start."""
-    monkeypatch.setattr(pacs, "reward_fn", mixed_rewards)
+    monkeypatch.setattr(pacs, "reward_fn", conftest.reward_stand_in(mixed_rewards))
     reference = run(digit_model, tmp_path / "ref", "--steps", "2", "--micro-batch-size", "2")
     real, calls = pacs.response_values, {"n": 0}
 
@@ -469,7 +470,7 @@ def test_ppo_puts_the_outcome_reward_on_each_responses_last_token(digit_model, d
     T = roll["response_ids"].shape[1]
     assert (lengths < T).any() and roll["truncated"].any()  # both kinds of ending are in the rollout
     monkeypatch.setattr(pacs, "sample", lambda *a, **k: {key: v.clone() for key, v in roll.items()})
-    monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers: rewards.clone())
+    monkeypatch.setattr(pacs, "reward_fn", conftest.reward_stand_in(lambda texts, answers: rewards.clone()))
     seen, real_gae = {}, pacs.gae
 
     def spy(token_rewards, values, mask, gamma, lam):

@@ -14,6 +14,7 @@ import pacs
 import plumbing
 from conftest import make_tiny_model_dir
 from critic_probe import rollout_updates  # experiments/, on the path by conftest
+import conftest
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -217,7 +218,8 @@ def test_critic_off_in_train_step_gives_mini_batch_0_pacs_gradient_exactly(tmp_p
 @pytest.mark.parametrize("critic", [[], ["--no-implicit-critic"]])
 def test_a_pacs_run_logs_the_critic_metrics_on_the_later_mini_batches(tmp_path, monkeypatch, capsys, critic):
     model_dir = make_tiny_model_dir(tmp_path / "m", chars="0123456789 +?=")
-    monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers: torch.arange(len(texts)) % 2.0)
+    mixed = conftest.reward_stand_in(lambda texts, answers: torch.arange(len(texts)) % 2.0)
+    monkeypatch.setattr(pacs, "reward_fn", mixed)
     pacs.main(["--model", model_dir, "--dataset", "synthetic", "--out-dir", str(tmp_path / "run"), "--group-size", "4",
                "--prompts-per-step", "4", "--num-mini-batches", "2", "--max-new-tokens", "4", "--lr", "1e-2",
                "--steps", "2", "--eval-every", "0", "--log-samples-every", "0", "--temperature", "1.5", *critic])
@@ -268,7 +270,8 @@ def test_rollout_updates_are_train_steps_phases_3_and_4(tmp_path, monkeypatch):
     """rollout_updates on the rollout train_step samples (the same prompts, the same seed) gives the psi and losses
     train_step logs and leaves the same weights, bit for bit; psi is 0 on mini-batch 0 only."""
     model_dir = make_tiny_model_dir(tmp_path / "m", chars="0123456789 +?=")
-    monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers: torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0] * 4))
+    monkeypatch.setattr(pacs, "reward_fn",
+                        conftest.reward_stand_in(lambda texts, answers: torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0] * 4)))
     problems = [{"problem": f"{i} + 1 =", "answer": str(i + 1)} for i in range(8)]
     cfg = pacs.Config(group_size=4, prompts_per_step=8, num_mini_batches=4, max_new_tokens=5, micro_batch_size=8,
                       lr=1e-2, seed=3)

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import critic_controls as cc  # noqa: E402
 import pacs  # noqa: E402
 import plumbing
+import conftest  # noqa: E402  (reward_stand_in: pacs.reward_fn's stand-in)
 
 
 def _batch(seed=0, groups=5, G=6, T=7, dtype=torch.float64):
@@ -141,7 +142,7 @@ def _mixed_rewards(responses, answers):
 
 def test_a_control_run_differs_from_pacs_and_critic_off_only_after_the_first_mini_batch(digit_model, digit_problems,
                                                                                       tmp_path, monkeypatch):
-    monkeypatch.setattr(pacs, "reward_fn", _mixed_rewards)
+    monkeypatch.setattr(pacs, "reward_fn", conftest.reward_stand_in(_mixed_rewards))
     weights = {name: _run(digit_model, digit_problems, tmp_path / name, *flags, control=control)
                for name, flags, control in [("pacs", [], None), ("off", ["--no-implicit-critic"], None),
                                             ("class", [], "class-shuffled"), ("group", [], "group-shuffled")]}

@@ -18,6 +18,7 @@ import torch
 import pacs
 
 import plumbing
+import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN = os.path.join(ROOT, "..", "shared", "models", "qwen2.5-0.5b-instruct")
@@ -292,7 +293,8 @@ def small_memory(monkeypatch):
 
 
 def test_a_resume_continues_at_the_sizes_an_out_of_memory_retry_halved(digit_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers: torch.arange(len(texts)) % 2.0)  # mixed groups
+    mixed = conftest.reward_stand_in(lambda texts, answers: torch.arange(len(texts)) % 2.0)  # mixed groups
+    monkeypatch.setattr(pacs, "reward_fn", mixed)
     with monkeypatch.context() as m:
         small_memory(m)
         full = run(digit_model, tmp_path / "full", "--steps", "3")

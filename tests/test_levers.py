@@ -517,9 +517,39 @@ def test_verifier_workers_give_the_in_process_verdicts():
     with levers.VerifierPool(2) as pool:
         assert pool.workers == 2 and pool.takes(len(responses)) and not pool.takes(pool.min_answers - 1)
         assert torch.equal(pacs.reward_fn(responses, answers, pool), serial)
-        verdicts = levers.verify_beside(pacs.reward_fn, responses, answers, pool)  # a thread that waits on them
-        assert torch.equal(verdicts(), serial)
+        verdicts = pacs.reward_fn(responses, answers, pool, wait=False)  # a handle, the processes at work
+        assert isinstance(verdicts, levers.Verdicts) and torch.equal(verdicts.get(), serial)
     assert pool.pool is None and levers.VerifierPool(1).pool is None
+
+
+def test_the_reward_handle_comes_back_before_the_processes_verify(tmp_path):
+    """reward_fn(..., wait=False) over the verifier's processes returns at once: here each verdict waits (up to 20 s)
+    for a file the caller writes only after the call has returned, so a call that waited for its verdicts would
+    find no file in them. The checker is a --reward file, loaded before the fork: the processes call it by name."""
+    go = tmp_path / "go"
+    (tmp_path / "late.py").write_text(textwrap.dedent(f"""
+        import os, time
+
+        def check(response, answer):
+            for _ in range(2000):
+                if os.path.exists({str(go)!r}):
+                    return True
+                time.sleep(0.01)
+            return False
+    """))
+    (tmp_path / "broken.py").write_text("def check(response, answer):\n    raise RuntimeError('a checker failed')\n")
+    check, broken = (plumbing.load_reward(f"{tmp_path / name}:check") for name in ("late.py", "broken.py"))
+    with levers.VerifierPool(2) as pool:
+        verdicts = pacs.reward_fn(["1"] * 64, ["1"] * 64, pool, check, wait=False)
+        go.write_text("")
+        assert verdicts.get().tolist() == [1.0] * 64  # every verdict saw the file
+        verdicts = pacs.reward_fn(["1"] * 64, ["1"] * 64, pool, broken, wait=False)
+        with pytest.raises(RuntimeError, match="a checker failed"):  # a worker's error comes with the verdicts
+            verdicts.get()
+        (tmp_path / "later.py").write_text("def check(response, answer):\n    return True\n")
+        later = plumbing.load_reward(f"{tmp_path / 'later.py'}:check")  # after the fork: refused, never a hang
+        with pytest.raises(ValueError, match="imported after the verifier's processes started"):
+            pacs.reward_fn(["1"] * 64, ["1"] * 64, pool, later, wait=False)
 
 
 def alive(pid):
@@ -568,17 +598,17 @@ def test_verifier_workers_leave_no_process_behind(tmp_path, ending):
     assert not any(alive(p) for p in pids)
 
 
-def test_verifier_processes_work_beside_phase_3_and_leave_the_step_unchanged(digit_model, monkeypatch):
+def test_verifier_processes_work_beside_phase_3_and_leave_the_step_unchanged(digit_model, monkeypatch, tmp_path):
     """With verifier processes, train_step's phase 3 (the old log-probs) runs while the verdicts are still on their
-    way: here the verifier waits until phase 3 has run, which a verifier run before phase 3 would wait for in vain,
-    and half a second more, which the step logs as the verifier's time. The step equals the in-process step
-    (rewards, loss, psi, gradient norm, weights), an error in the verifier reaches the caller, and the step's phases
-    still sum to its time."""
+    way: the step asks for them (the handle's get) only after phase 3 has run, and waits half a second more there,
+    which it logs as the verifier's time. The step equals the in-process step (rewards, loss, psi, gradient norm,
+    weights), and the step's phases still sum to its time. The rewards come from a --reward checker."""
     import threading
+    (tmp_path / "odd.py").write_text("def check(response, answer):\n    return len(response) % 2 == 1\n")
     problems = [{"problem": f"{i} + 1 =", "answer": str(i + 1)} for i in range(8)]
     cfg = pacs.Config(group_size=4, prompts_per_step=4, num_mini_batches=2, max_new_tokens=4, micro_batch_size=8,
-                      lr=1e-2, seed=3)
-    phase_3, waited = threading.Event(), []
+                      lr=1e-2, seed=3, reward=f"{tmp_path / 'odd.py'}:check")  # mixed groups, from the texts alone
+    phase_3, asked = threading.Event(), []
     real_reference = pacs.reference_logprobs
 
     def reference_logprobs(*args):
@@ -587,16 +617,19 @@ def test_verifier_processes_work_beside_phase_3_and_leave_the_step_unchanged(dig
         finally:
             phase_3.set()  # phase 3 has run
 
-    def reward_fn(texts, answers, verifier=None):  # mixed groups, from the texts alone
-        if verifier is not None:
-            waited.append(phase_3.wait(10))
-            time.sleep(0.5)  # verdicts that come after phase 3: the step waits for them, in time_verify
-        return torch.tensor([float(len(t) % 2) for t in texts])
+    class LateVerdicts:  # the pool's handle: asked for after phase 3, it takes half a second more
+        def __init__(self, verdicts):
+            self.verdicts = verdicts
 
+        def get(self):
+            asked.append(phase_3.is_set())
+            time.sleep(0.5)
+            return self.verdicts
+
+    workers = types.SimpleNamespace(takes=lambda n: True, map_async=lambda check, *columns: LateVerdicts(
+        [check(*row) for row in zip(*columns)]))  # a stand-in pool: the verdicts are the checker's
     monkeypatch.setattr(pacs, "reference_logprobs", reference_logprobs)
-    monkeypatch.setattr(pacs, "reward_fn", reward_fn)
     runs = []
-    workers = types.SimpleNamespace(takes=lambda n: True)  # the verdicts come from reward_fn: a stand-in pool will do
     for pool in (None, workers):
         phase_3.clear()
         model, tok = plumbing.load_model(digit_model)
@@ -604,7 +637,7 @@ def test_verifier_processes_work_beside_phase_3_and_leave_the_step_unchanged(dig
         optimizer = pacs.make_optimizer(cfg, model)
         metrics, _ = pacs.train_step(cfg, model, tok, optimizer, problems, 0, torch.device("cpu"), verifier_pool=pool)
         runs.append((metrics, [p.detach().clone() for p in model.parameters()]))
-    assert waited == [True]  # the pool's verdicts waited for the end of phase 3, and got it
+    assert asked == [True]  # the pool's verdicts were asked for once, after phase 3
     (serial, weights), (beside, weights_beside) = runs
     assert beside["time_verify"] >= 0.5 > serial["time_verify"]  # the wait after phase 3 is the verifier's time
     for key in ("reward", "mixed_groups", "loss", "psi_mean", "psi_std", "grad_norm", "entropy"):
@@ -612,13 +645,6 @@ def test_verifier_processes_work_beside_phase_3_and_leave_the_step_unchanged(dig
     assert 0 < serial["reward"] < 1 and all(torch.equal(a, b) for a, b in zip(weights, weights_beside))
     phases = sum(beside[k] for k in ("time_generate", "time_verify", "time_old_logprobs", "time_update"))
     assert abs(phases - beside["step_time"]) < 1e-3 and min(beside[k] for k in plumbing.PHASES[:4]) >= 0
-
-    def broken(texts, answers, verifier):
-        raise RuntimeError("a verifier worker died")
-
-    verdicts = levers.verify_beside(broken, ["1"], ["1"], workers)  # returns at once; the error comes with them
-    with pytest.raises(RuntimeError, match="a verifier worker died"):
-        verdicts()
 
 
 def test_verify_workers_flag_is_checked():

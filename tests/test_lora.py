@@ -17,6 +17,7 @@ import pacs
 import plumbing
 from conftest import make_tiny_model_dir
 from test_pacs import TIMING_KEYS
+import conftest
 
 G, P, M = 4, 4, 2  # 16 rows, mini-batches of 8 rows (two groups)
 
@@ -119,8 +120,8 @@ def run_recording(model_dir, out_dir, monkeypatch, *extra, steps=1, refs=None):
         return peft_model
 
     monkeypatch.setattr(pacs, "algo_loss", algo_loss)
-    monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers, pool=None: torch.tensor(
-        [float(i % 2) for i in range(len(texts))]))
+    monkeypatch.setattr(pacs, "reward_fn", conftest.reward_stand_in(lambda texts, answers: torch.tensor(
+        [float(i % 2) for i in range(len(texts))])))
     monkeypatch.setattr(plumbing, "add_adapter", add_adapter)
     monkeypatch.setattr(pacs, "reference_logprobs", reference_logprobs)
     pacs.main(["--model", model_dir, "--dataset", "synthetic", "--out-dir", str(out_dir), "--group-size", str(G),

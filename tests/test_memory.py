@@ -13,6 +13,7 @@ import levers
 import pacs
 
 import plumbing
+import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN = os.path.join(ROOT, "..", "shared", "models", "qwen2.5-0.5b-instruct")
@@ -99,7 +100,8 @@ def test_out_of_memory_in_the_update_halves_the_micro_batch_and_loses_no_step(di
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(model, prompt_ids, *a, **k)
 
-    monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers: torch.arange(len(texts)) % 2.0)  # mixed groups
+    mixed = conftest.reward_stand_in(lambda texts, answers: torch.arange(len(texts)) % 2.0)  # mixed groups
+    monkeypatch.setattr(pacs, "reward_fn", mixed)
     reference = run(digit_model, tmp_path / "ref", "--steps", "2", "--micro-batch-size", "2")
     monkeypatch.setattr(pacs, "response_logprobs", small_memory)
     rows = run(digit_model, tmp_path / "oom", "--steps", "2", "--micro-batch-size", "4")

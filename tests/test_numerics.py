@@ -18,6 +18,7 @@ import pacs
 
 import plumbing
 from conftest import make_tiny_model_dir
+import conftest
 
 G, P, M = 4, 4, 2  # 16 rows, mini-batches of 8 rows (two groups)
 
@@ -40,7 +41,7 @@ def run_recording(model_dir, out_dir, monkeypatch, *extra):
         return real(cfg, logprobs, old_logprobs, mask, rewards, advantages)
 
     monkeypatch.setattr(pacs, "algo_loss", algo_loss)
-    monkeypatch.setattr(pacs, "reward_fn", mixed_rewards)
+    monkeypatch.setattr(pacs, "reward_fn", conftest.reward_stand_in(mixed_rewards))
     pacs.main(["--model", model_dir, "--dataset", "synthetic", "--out-dir", str(out_dir), "--group-size", str(G),
                "--prompts-per-step", str(P), "--num-mini-batches", str(M), "--max-new-tokens", "10",
                "--temperature", "1.5", "--lr", "0", "--critic-lr", "0", "--weight-decay", "0", "--steps", "1",

@@ -14,6 +14,7 @@ import eval as pacs_eval
 import pacs
 import plumbing
 from test_lora import randomize_adapter
+import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3 = os.path.join(ROOT, "..", "shared", "models", "qwen3")
@@ -86,8 +87,8 @@ def test_qwen3_ends_a_response_at_either_eos(tiny_qwen3):
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_pacs_step_on_qwen3_keeps_psi_exactly_zero_at_lr_0_under_bf16(tiny_qwen3, tmp_path, monkeypatch, lora):
-    monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers, pool=None: torch.tensor(
-        [float(i % 2) for i in range(len(texts))]))  # mixed groups: the loss has a gradient to apply at lr 0
+    monkeypatch.setattr(pacs, "reward_fn", conftest.reward_stand_in(lambda texts, answers: torch.tensor(
+        [float(i % 2) for i in range(len(texts))])))  # mixed groups: the loss has a gradient to apply at lr 0
     if lora:  # a random adapter: peft's B = 0 adds exactly nothing, and the test could not fail
         real_add = plumbing.add_adapter
         monkeypatch.setattr(plumbing, "add_adapter", lambda cfg, model, checkpoint=None: randomize_adapter(

@@ -14,6 +14,7 @@ import torch
 import pacs
 
 import plumbing
+import conftest
 
 G, P, M = 8, 8, 2  # 8 prompts x 8 samples; 2 mini-batches of 32 rows, one micro-batch each
 ROWS_PER_MINI = P * G // M
@@ -64,8 +65,8 @@ class Recorder:
 
         monkeypatch.setattr(pacs, "sample", sample)
         monkeypatch.setattr(pacs, "algo_loss", algo_loss)
-        monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers: torch.tensor(
-            [float(i % 3 == 0) for i in range(len(texts))]))  # mixed groups: every mini-batch has a gradient
+        monkeypatch.setattr(pacs, "reward_fn", conftest.reward_stand_in(lambda texts, answers: torch.tensor(
+            [float(i % 3 == 0) for i in range(len(texts))])))  # mixed groups: every mini-batch has a gradient
 
     def psi(self, call):
         return pacs.pacs_score(call["logprobs"], call["ref"], call["mask"], G)

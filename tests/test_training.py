@@ -18,6 +18,7 @@ import torch
 import pacs
 
 import plumbing
+import conftest
 
 G, P, M, MICRO = 4, 6, 3, 4  # 6 prompts x 4 samples = 24 rows; 3 mini-batches of 8 rows; 2 micro-batches each
 ROWS_PER_MINI = P * G // M
@@ -68,7 +69,7 @@ def record_rollout_and_losses(monkeypatch, poison=None):
 
     monkeypatch.setattr(pacs, "sample", sample)
     monkeypatch.setattr(pacs, "algo_loss", algo_loss)
-    monkeypatch.setattr(pacs, "reward_fn", mixed_rewards)
+    monkeypatch.setattr(pacs, "reward_fn", conftest.reward_stand_in(mixed_rewards))
     return rec
 
 

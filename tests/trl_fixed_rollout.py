@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import pacs  # noqa: E402
 import plumbing
+import conftest  # noqa: E402  (reward_stand_in: pacs.reward_fn's stand-in)
 
 PROBLEMS = [{"id": f"p{i}", "problem": f"What is {a} + {b}?", "answer": str(a + b)}
             for i, (a, b) in enumerate([(1, 2), (7, 5), (13, 4), (20, 9)])]
@@ -86,7 +87,7 @@ def patch_pacs(monkeypatch, tokenizer, table, group_size):
                 "truncated": truncated}
 
     monkeypatch.setattr(pacs, "sample", fake_sample)
-    monkeypatch.setattr(pacs, "reward_fn", lambda texts, answers: torch.tensor(last_rewards))
+    monkeypatch.setattr(pacs, "reward_fn", conftest.reward_stand_in(lambda texts, answers: torch.tensor(last_rewards)))
 
 
 def run_pacs(model_dir, table, group_size, num_mini_batches, lr, monkeypatch):
