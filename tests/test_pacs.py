@@ -325,10 +325,12 @@ def private_reads(tree):
 
 
 def test_imports_run_one_way():
-    """pacs.py -> plumbing.py -> levers.py, never back up (python pacs.py loads its file once); levers.py is a leaf of
-    torch and transformers; no _private name is imported or read (module._name) across files; pacs.py calls the
-    other two by their module's name, so that one patch of plumbing.load_model reaches every caller."""
-    allowed = {"pacs.py": {"plumbing", "levers", "verify"}, "plumbing.py": {"levers"}, "levers.py": set()}
+    """pacs.py -> plumbing.py -> levers.py, never back up (python pacs.py loads its file once); verify.py is a leaf;
+    levers.py is a leaf of torch and transformers; no _private name is imported or read (module._name) across files;
+    pacs.py calls the other two by their module's name, so that one patch of plumbing.load_model reaches every
+    caller."""
+    allowed = {"pacs.py": {"plumbing", "levers", "verify"}, "plumbing.py": {"levers", "verify"}, "levers.py": set(),
+               "verify.py": set()}  # plumbing.load_reward: --reward's checker, verify.py for the rows it leaves
     for path, may in allowed.items():
         _, tree = top_level_lines(path)
         project = {module for module, _ in imported(tree) if module in PROJECT_MODULES}
@@ -389,9 +391,10 @@ def test_one_step_reads_without_a_closure_and_fills_no_buffer_in_place():
     handed = [a.id for name in ("sample", "train_step", "value_model_targets", "value_model_step")
               for n in ast.walk(funcs[name]) if isinstance(n, ast.Call) for a in n.args
               if isinstance(a, ast.Name) and a.id in funcs]
-    # a pacs.py function handed to another to call back: only the reward, whose handle lets the verifier's processes
-    # run beside phase 3 (levers.verify_beside) until reward_fn itself takes the pool and returns the handle
-    assert handed == ["reward_fn"], handed
+    assert handed == [], handed  # no pacs.py function handed to another to call back: the reward is reward_fn(...)
+    called = {n.func.id for n in ast.walk(funcs["train_step"])
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert {"sample", "reward_fn", "reference_logprobs", "accumulate_mini_batch", "optimizer_update"} <= called
     for name in ("accumulate_mini_batch", "reference_logprobs"):  # the reference flows as values, in both phases
         writes = [t for n in ast.walk(funcs[name]) if isinstance(n, (ast.Assign, ast.AugAssign))
                   for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Subscript)]
@@ -476,3 +479,24 @@ def test_two_processes_converting_one_gguf_both_get_the_converted_folder(tmp_pat
     monkeypatch.setattr(os, "replace", other_process_first)
     out = plumbing.gguf_to_hf_dir(str(gguf))
     assert os.path.isfile(os.path.join(out, "config.json")) and glob.glob(out + ".tmp*") == []
+
+
+def test_plumbing_reads_in_the_steps_order():
+    """plumbing.py's sections (the `# ===` banners) are the ones its docstring lists, in that order, and a section
+    calls only the sections above it (a function may call one below it in its own section: top-down reading)."""
+    with open(os.path.join(ROOT, "plumbing.py"), encoding="utf-8") as f:
+        source = f.read()
+    lines, tree = source.split("\n"), ast.parse(source)
+    banners = [i + 1 for i, line in enumerate(lines) if line.startswith("# ===")][::2]  # each title's line
+    titles = [lines[i][2:].split(":")[0].lower() for i in banners]
+    listed = [line.split("  ")[0].strip() for line in ast.get_docstring(tree).split("\n")[1:len(titles) + 1]]
+    assert all(title.startswith(name) for title, name in zip(titles, listed)), (titles, listed)
+    section = {}
+    for node in tree.body:
+        names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+            t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        for name in names:
+            section[name] = (sum(b <= node.lineno for b in banners), node)
+    below = [(name, used) for name, (s, node) in section.items() for used in
+             {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & set(section) if section[used][0] > s]
+    assert below == [], below
