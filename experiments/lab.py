@@ -274,7 +274,7 @@ def ensure_splits(lab_dir):
     check against, nothing written)."""
     with open(os.path.join(lab_dir, "lab.json")) as f:
         info = json.load(f)
-    names = COUNTDOWN_SPLITS if info["settings"].get("task", "chain") == "countdown" else SPLITS
+    names = COUNTDOWN_SPLITS if info.get("settings", {}).get("task", "chain") == "countdown" else SPLITS
     if all(os.path.isfile(os.path.join(lab_dir, f"{s}.jsonl")) for s in names) or "splits_sha256" not in info:
         return
     cfg = info["settings"]

@@ -239,6 +239,84 @@ def lab_scan(runs_root, prompts=32):
             "choice": choice}
 
 
+# ---- the countdown lab: out of domain (the chain task's test split) and the diversity of the right answers --------
+OOD_DATASET = "chain_test"  # the countdown lab's second domain: scored before RL (lab.json) and after
+COUNTDOWN_PAIRS = (("pacs", "grpo"), ("pacs", "ppo"))  # v2's Table 3 compares PACS with GRPO; Fig. 6 with both
+
+
+def distinct_forms(answers):
+    """Distinct canonical forms (countdown.canonical: + and * up to order) among one problem's drawn right answers."""
+    import countdown
+    return len({countdown.canonical(a) for a in answers})
+
+
+def diversity_by_problem(result):
+    """{embedder: {problem id: Div(q)}} and {problem id: distinct forms} of a result file's K drawn right answers."""
+    d = result["diversity"]
+    forms = {i: distinct_forms(answers) for i, answers in d["drawn_answers"].items()}
+    return {e: v["div"] for e, v in d["by_embedder"].items()}, forms
+
+
+def shared_mean_differences(a_runs, b_runs, values):
+    """{seed: mean over the problems both seeds' runs have K right in of a's values - b's}, and {seed: that count}:
+    a comparison of diversity never confounded with pass@1 (a seed with no shared problem is left out)."""
+    diffs, shared = {}, {}
+    for seed in sorted(set(a_runs) & set(b_runs)):
+        va, vb = values(a_runs[seed]), values(b_runs[seed])
+        ids = sorted(set(va) & set(vb))
+        if ids:
+            diffs[seed] = float(np.mean([va[i] for i in ids]) - np.mean([vb[i] for i in ids]))
+            shared[seed] = len(ids)
+    return diffs, shared
+
+
+def diff_entry(diffs, a, b, metric, prompts_per_mini_batch):
+    """paired_entry's fields for differences already paired by seed ({seed: a - b})."""
+    d = np.array([diffs[s] for s in sorted(diffs)], dtype=float)
+    t, boot, p = t_interval(d), bootstrap_interval(d), paired_p(d)
+    return {"prompts_per_mini_batch": prompts_per_mini_batch, "a": a, "b": b, "metric": metric, "seeds": len(d),
+            "mean": rounded(t[0]), "ci95_t": [rounded(t[1]), rounded(t[2])],
+            "ci95_bootstrap": [rounded(boot[1]), rounded(boot[2])], "detectable_80": rounded(smallest_detectable(d)),
+            "p_t": p_value(p)}
+
+
+def countdown_summary(runs_root, summary, lab_dir="", prompts=32):
+    """summary.json's "countdown" of a countdown lab, None for another: per run, the out-of-domain pass@1 and pass@64
+    (the chain test split) and S_div by each embedder with the mean distinct canonical forms (each over the run's
+    own problems with K right); paired by seed, PACS - GRPO and PACS - PPO in each, diversity over the problems both
+    runs share; the base model's out-of-domain pass@k (its lab.json)."""
+    results = [r for r in lab_results(runs_root, f"test-p{prompts}") if r.get("diversity")]
+    if not results:
+        return None
+    ppm = prompts // summary["settings"]["num_mini_batches"]
+    runs, by = [], {}
+    for r in sorted(results, key=lambda r: (r["method"], r["seed"])):
+        div, forms = diversity_by_problem(r)
+        ood = r["eval"][OOD_DATASET]
+        runs.append({"method": r["method"], "seed": r["seed"], "ood_pass@1": ood["1"], "ood_pass@64": ood.get("64"),
+                     "problems_with_k_right": len(forms), "distinct_forms": rounded(np.mean(list(forms.values())))
+                     if forms else None, **{f"s_div_{e}": rounded(np.mean(list(v.values()))) if v else None
+                                            for e, v in div.items()}})
+        by.setdefault(r["method"], {})[r["seed"]] = (div, forms)
+    embedders = sorted(next(iter(results))["diversity"]["by_embedder"])
+    paired, shared = [], {}
+    for a, b in COUNTDOWN_PAIRS:
+        paired += [paired_entry(runs, a, b, m, ppm) for m in ("ood_pass@1", "ood_pass@64")]
+        for metric, values in [(f"s_div_{e}", lambda x, e=e: x[0][e]) for e in embedders] + [
+                ("distinct_forms", lambda x: x[1])]:
+            diffs, n = shared_mean_differences(by.get(a, {}), by.get(b, {}), values)
+            if diffs:
+                paired.append({**diff_entry(diffs, a, b, metric, ppm), "shared_problems": [n[s] for s in sorted(n)]})
+    base = None
+    if lab_dir and os.path.isfile(os.path.join(lab_dir, "lab.json")):
+        with open(os.path.join(lab_dir, "lab.json")) as f:
+            built = json.load(f)
+        base = {k: round(float(built["chain_test_pass@k"][k]), 5) for k in ("1", "64")}
+    d = results[0]["diversity"]
+    return {"ood_dataset": OOD_DATASET, "diversity_dataset": d["dataset"], "k": d["k"], "embedders": embedders,
+            "base_ood_pass@k": base, "runs": runs, "paired": [p for p in paired if p["seeds"]]}
+
+
 # ---- what the critic does: the controls' decomposition, and the critic against the prompts per mini-batch ----------
 # PACS - class-shuffled: the self-damping (each response's sigma(psi) tied to its own move); class- - group-shuffled:
 # the ranking (what psi knows of R); group-shuffled - critic-off: the values' noise; PACS - critic-off: all of it

@@ -23,9 +23,9 @@ from scipy import stats as sps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bases import bases_summary  # noqa: E402  (each claim over the lab's bases)
-from lab_summary import (base_entry, control_summary, critic_window, decomposition_summary, lab_results,  # noqa: E402
-                         lab_scan, lab_summary, p_value, paired_entry, rare_summary, rounded,
-                         threshold_digits)
+from lab_summary import (base_entry, control_summary, countdown_summary, critic_window,  # noqa: E402
+                         decomposition_summary, lab_results, lab_scan, lab_summary, p_value, paired_entry,
+                         rare_summary, rounded, threshold_digits)
 from reference import ablation_summary, paired_with, reference_summary  # noqa: E402  (pi_ref, v2's ablations)
 from stats import t_interval  # noqa: E402
 from sweep import CLAIMS, SweepError  # noqa: E402
@@ -349,6 +349,9 @@ def summary_json(runs_root, lab_dir="", prompts=32, last=10, results_name=""):
         over = bases_summary(os.path.dirname(os.path.abspath(lab_dir)), summary, prompts, last)
         if over:
             summary["bases"] = over
+    countdown = countdown_summary(runs_root, summary, lab_dir, prompts)
+    if countdown:  # the countdown lab: out of domain and the diversity of the right answers
+        summary["countdown"] = countdown
     runs, base_pass1, notes = per_run(runs_root, summary, lab_dir)
     summary["stability"] = stability_entry(runs_root, summary, runs, base_pass1, notes)
     summary["efficiency"] = efficiency_entry(summary, lab_dir, runs, notes)

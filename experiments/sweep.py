@@ -71,10 +71,11 @@ CRITIC_METHODS = ["pacs", "pacs-critic-off", "ppo", "pacs-beta0.5", "pacs-beta2"
 # settings that define a sweep's runs and evals: a rerun into the same --out must match them
 SWEEP_KEYS = ("model", "dataset", "data_dir", "prompts", "group_size", "num_mini_batches", "max_new_tokens",
               "lr", "method_lr", "critic_lr_ratio", "pacs_args", "eval_datasets", "eval_problems", "eval_n",
-              "eval_temperature", "eval_top_p", "eval_max_new_tokens", "eval_args")
+              "eval_temperature", "eval_top_p", "eval_max_new_tokens", "eval_args", "diversity", "diversity_k")
 
 
-NEW_SWEEP_KEYS = {"method_lr": {}, "critic_lr_ratio": 0.0}  # added since the first sweeps, with their neutral value
+# added since the first sweeps, with their neutral value
+NEW_SWEEP_KEYS = {"method_lr": {}, "critic_lr_ratio": 0.0, "diversity": [], "diversity_k": 4}
 
 
 class SweepError(Exception):
@@ -190,7 +191,9 @@ def result_settings(args, method):
             "pacs_flags": METHODS[method] + critic_lr_flags(args, method) + shlex.split(args.pacs_args),
             "eval_problems": args.eval_problems,
             "eval_n": args.eval_n, "eval_temperature": args.eval_temperature, "eval_top_p": args.eval_top_p,
-            "eval_max_new_tokens": args.eval_max_new_tokens, "eval_args": args.eval_args}
+            "eval_max_new_tokens": args.eval_max_new_tokens, "eval_args": args.eval_args,
+            **({"diversity": list(args.diversity), "diversity_k": args.diversity_k}
+               if getattr(args, "diversity", None) else {})}  # a key a sweep without it never had
 
 
 def boxed_expressions(samples_path):
@@ -203,6 +206,37 @@ def boxed_expressions(samples_path):
                 right += correct
                 odd += correct and not (extracted or "").strip().lstrip("-").isdigit()
     return odd / right if right else 0.0
+
+
+DIVERSITY_SEED = 0  # eval.py's --seed: which K right samples of a problem are drawn (eval.draw_correct)
+
+
+def drawn_answers(samples_path, k, seed, dataset):
+    """{problem id: the extracted answers of the k right samples eval.py --diversity drew (eval.draw_correct)} for one
+    dataset's rows with k right or more: what a summary counts distinct forms over, the draw fixed by (seed, id)."""
+    out = {}
+    with open(samples_path) as f:
+        for row in (json.loads(line) for line in f if line.strip()):
+            drawn = os.path.basename(row["dataset"]) == dataset and eval_py.draw_correct(row, k, seed)
+            if drawn:
+                out[row["id"]] = [row["extracted"][i] for i in drawn]
+    return out
+
+
+def result_diversity(args, ev, dataset):
+    """A result file's "diversity": paper v2's Div(q) of each `dataset` problem with --diversity-k right samples, by
+    each --diversity embedder (eval.run_diversity over the eval's samples.jsonl: no sampling), and the extracted
+    answers of the K drawn (one draw for every embedder: seeded by problem), so that a summary restricts a comparison
+    to the problems both runs have K right in and counts distinct forms with the task's own canonical()."""
+    out = {"dataset": dataset, "k": args.diversity_k, "seed": DIVERSITY_SEED, "by_embedder": {}}
+    for embedder in args.diversity:
+        entries = eval_py.run_diversity(ev, embedder, args.diversity_k, DIVERSITY_SEED)
+        d = next(v for name, v in entries.items() if os.path.basename(name) == dataset)
+        out["by_embedder"][embedder] = {"pooling": d["pooling"], "s_div": d["s_div"], "problems": d["problems"],
+                                        "left_out": d["left_out"],
+                                        "div": {i: round(v["div"], 6) for i, v in d["per_problem"].items()}}
+    out["drawn_answers"] = drawn_answers(os.path.join(ev, "samples.jsonl"), args.diversity_k, DIVERSITY_SEED, dataset)
+    return out
 
 
 def pooled_calibration(rows):
@@ -231,6 +265,8 @@ def write_result(args, method, seed, wall_s):
            "eval": {os.path.basename(ds): m["pass@k"] for ds, m in datasets.items()},
            "boxed_expressions": boxed_expressions(os.path.join(ev, "samples.jsonl")), "wall_s": round(wall_s, 1),
            "machine": lab.machine()}
+    if getattr(args, "diversity", None):
+        out["diversity"] = result_diversity(args, ev, os.path.basename(next(iter(datasets))))  # the first set
     os.makedirs(args.results, exist_ok=True)
     tmp = result_path(args, method, seed) + ".tmp"
     with open(tmp, "w") as f:
@@ -257,7 +293,7 @@ def check_sweep_file(args):
     """OUT/sweep.json holds the settings the runs in OUT were made with, and each method's pacs.py flags; other
     settings, or a method whose flags changed since its runs were made (grpo was token-mean before it became the
     paper's), are refused: they would mix two experiments in one table. --steps, --seeds and --methods may change."""
-    mine = {k: getattr(args, k) for k in SWEEP_KEYS}
+    mine = {k: getattr(args, k, NEW_SWEEP_KEYS.get(k)) for k in SWEEP_KEYS}
     path = os.path.join(args.out, "sweep.json")
     saved = {}
     if os.path.isfile(path):

@@ -56,6 +56,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import eval as eval_py  # noqa: E402  (check_diversity_flags: --diversity's embedders checked before any run)
 import lab  # noqa: E402  (the shipped lab and its splits)
 from figures import plot, plot_axis, plot_beta, plot_rare, plot_reliability  # noqa: E402
 from lab_summary import BETA_METHODS, flag_value, lab_scan  # noqa: E402
@@ -80,6 +81,11 @@ def check_args(args):
                          "(each mini-batch holds whole groups)")
     if not args.eval_datasets.strip():
         raise SweepError("--eval-datasets is empty")
+    for embedder in args.diversity:  # a bad embedder or K fails here, not after the first run has trained
+        try:
+            eval_py.check_diversity_flags(embedder, args.diversity_k)
+        except eval_py.ConfigError as e:
+            raise SweepError(str(e)) from None
     args.pass_k = args.pass_k or args.eval_n
     if not 1 <= args.pass_k <= args.eval_n:
         raise SweepError(f"--pass-k {args.pass_k} must be in 1..--eval-n ({args.eval_n})")
@@ -171,6 +177,10 @@ def parse_args(argv=None):
     p.add_argument("--scan-json", default="", help="write the learning-rate scan (lab_scan) of the result files "
                    "beside --results (every val-p*-lr*/ dir) to this path and print it, "
                    "e.g. experiments/labs/lab/scan.json")
+    p.add_argument("--diversity", nargs="*", default=[], metavar="EMBEDDER", help="eval.py --diversity's embedders "
+                   "(char-ngrams, smollm2, a model): each run's result file keeps S_div of its first eval dataset by "
+                   "each, and the K right answers drawn (a countdown lab: both by default)")
+    p.add_argument("--diversity-k", type=int, default=4, help="--diversity: right samples per problem (K)")
     p.add_argument("--split", default="test", choices=["test", "val"], help="with --lab: the held-out split "
                    "(val for the learning-rate scan; the test split chooses nothing)")
     first, _ = p.parse_known_args(argv)
@@ -192,6 +202,13 @@ LAB_PRESET = {"prompts": 32, "group_size": 8, "num_mini_batches": 4, "steps": 15
               "eval_top_p": 1.0,
               "seeds": list(range(16)), "last": 10, "pacs_args": "--micro-batch-size 64 --device cpu",
               "eval_args": "--batch-size 1024 --device cpu"}
+
+
+# The countdown lab (lab.py --task countdown): its checker, given to pacs.py and eval.py as --reward (a path from the
+# repository root, where the runs start), and v2's diversity of each test problem's right answers by two embedders
+# that no run trains: a real LM offline (SmolLM2 through the GGUF conversion) and one with no model at all
+COUNTDOWN_REWARD = "experiments/countdown.py:check"
+COUNTDOWN_EMBEDDERS = ("char-ngrams", "smollm2")
 
 
 def lab_defaults(first, argv):
@@ -217,10 +234,18 @@ def lab_defaults(first, argv):
     # one forward per mini-batch up to 64 rows (8 prompts x 8); 1 prompt per mini-batch: 8 rows
     rows = prompts // first.num_mini_batches * first.group_size
     micro = max([m for m in (64, 32, 16, 8) if rows % m == 0] or [first.group_size])
+    evals = [os.path.join(lab_dir, f"{first.split}.jsonl")]
+    reward, diversity = "", []
+    if built.get("task") == "countdown":  # its checker for training and eval; out of domain and diversity at test
+        reward = f" --reward {COUNTDOWN_REWARD}"
+        if first.split == "test":
+            evals.append(os.path.join(lab_dir, "chain_test.jsonl"))
+            diversity = list(COUNTDOWN_EMBEDDERS)
     return {**LAB_PRESET, **{k: built[k] for k in ("max_new_tokens", "eval_n") if k in built},
-            "pacs_args": f"--micro-batch-size {micro} --device cpu",
+            "pacs_args": f"--micro-batch-size {micro} --device cpu{reward}",
+            "eval_args": LAB_PRESET["eval_args"] + reward, "diversity": diversity,
             "model": os.path.join(lab_dir, "model"), "dataset": os.path.join(lab_dir, "train.jsonl"),
-            "eval_datasets": os.path.join(lab_dir, f"{first.split}.jsonl"),
+            "eval_datasets": ",".join(evals),
             "out": os.path.join(ROOT, "experiments", f"out_{tag}", name), "results": results}
 
 
