@@ -570,7 +570,7 @@ def load_embedder(name, device="cpu", pooling="auto"):
         path = plumbing.resolve_model_path(name)
         config = AutoConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModel.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        model = AutoModel.from_pretrained(path, dtype=torch.float32, use_kernels=False).to(device).eval()
     except (ConfigError, OSError, ValueError) as e:
         raise ConfigError(f"--diversity: cannot load the embedder {name!r}: {str(e).splitlines()[0]}") from None
     pooling = prescribed_pooling(path, config) if pooling == "auto" else pooling

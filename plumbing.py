@@ -447,7 +447,7 @@ def gguf_to_hf_dir(path):
         return cache
     folder, fname = os.path.split(os.path.abspath(path))
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32, use_kernels=False)
     # The GGUF loader leaves a quantizer flag that makes save_pretrained (and other trainers) refuse the
     # model; the weights are already dequantised fp32, so clearing it gives a plain model.
     model.hf_quantizer = None
@@ -495,7 +495,9 @@ def load_model(name, device="cpu", dtype=torch.float32, base=""):
     name = resolve_model_path(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        # use_kernels=False: transformers 5.25 swaps layers for kernels fetched from the Hub at load by default
+        # (5.24: off); the road stays the one measured, the same with and without a network
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, use_kernels=False)
     except (OSError, ValueError) as e:
         if os.path.isfile(os.path.join(name, "config.json")) and not glob.glob(os.path.join(name, "*.safetensors")):
             raise ConfigError(f"{name} holds a config and no weights (a plan-only config, models/README.md): "
@@ -540,7 +542,8 @@ def load_value_model(cfg, path, device):
         torch.manual_seed(cfg.seed)
         try:
             config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0)
-            critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+            critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
+                                                                      use_kernels=False)
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load a value model from {path!r}: {str(e).splitlines()[0]}") from None
         finally:

@@ -67,6 +67,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import pacs  # noqa: E402  (the loss: pacs.pacs_loss, one source of truth)
 
+# transformers 5.25 kernelizes every from_pretrained by default (USE_HUB_KERNELS unset: on), and kernelize refuses a
+# model on the meta device, where verl's FSDP engine builds it on every rank but the first: on two ranks or more
+# the workers fail before the first step. Off in this process and the workers it starts, unless the user set it.
+os.environ.setdefault("USE_HUB_KERNELS", "0")
+
 ADV_ESTIMATOR = "pacs_label"
 ESTIMATORS = ("rloo", "grpo", "drgrpo", "none")
 # what the estimator reads from the trainer config beside its own node: the actor's settings (ACTOR_KEYS, which the

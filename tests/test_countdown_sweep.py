@@ -1,7 +1,7 @@
-"""The countdown lab's sweep: trend.py --lab on a countdown lab gives pacs.py and eval.py its checker (--reward), scores
-the chain test split out of domain at the test split only, and keeps v2's diversity by two embedders in each result
-file (sweep.result_diversity); lab_summary.countdown_summary pairs runs by seed, diversity over the problems both runs
-have K right in, distinct forms by countdown.canonical."""
+"""The countdown lab's sweep: trend.py --lab on a countdown lab gives pacs.py and eval.py its checker (--reward),
+scores the chain test split out of domain at the test split only, and keeps v2's diversity by two embedders in each
+result file (sweep.result_diversity); lab_summary.countdown_summary pairs runs by seed, diversity over the problems
+both runs have K right in, distinct forms by countdown.canonical."""
 import json
 import os
 import sys
@@ -20,7 +20,8 @@ import trend  # noqa: E402
 def fake_lab(path, task):
     os.makedirs(path / "model")
     (path / "lab.json").write_text(json.dumps({"weights_sha256": "ab" * 32, "settings": {"task": task}}))
-    (path / "train.jsonl").write_text("".join(json.dumps({"problem": f"{i}", "answer": "1"}) + "\n" for i in range(40)))
+    rows = [{"problem": f"{i}", "answer": "1"} for i in range(40)]
+    (path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
 
 

@@ -86,3 +86,19 @@ def test_a_plan_only_config_cannot_be_trained_and_says_so(tmp_path):
         pacs.main(["--model", os.path.join(ROOT, "models", "qwen2.5-0.5b-instruct"), "--dataset", "synthetic",
                    "--device", "cpu", "--steps", "1", "--prompts-per-step", "4", "--max-new-tokens", "8",
                    "--out-dir", str(tmp_path)])
+
+
+def test_models_load_without_the_hubs_kernels(tiny_model_dir, monkeypatch):
+    """transformers 5.25 kernelizes every from_pretrained by default (layers swapped for kernels fetched from the Hub;
+    5.24: off): load_model asks for none, so a run is the one measured, with a network or without."""
+    from transformers import PreTrainedModel
+    asked = []
+    set_use_kernels = PreTrainedModel.set_use_kernels
+
+    def recorded(self, use_kernels, *args, **kwargs):
+        asked.append(use_kernels)
+        return set_use_kernels(self, use_kernels, *args, **kwargs)
+    monkeypatch.setattr(PreTrainedModel, "set_use_kernels", recorded)
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    plumbing.load_model(tiny_model_dir, "cpu")
+    assert asked == [False]

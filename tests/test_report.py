@@ -161,8 +161,12 @@ def test_wandb_offline_records_hold_every_step_and_the_resume_continues_the_same
 
 
 @needs("trackio")
-def test_trackio_local_logs_hold_every_step_and_the_resume_continues_the_same_run(watched):
+def test_trackio_local_logs_hold_every_step_and_the_resume_continues_the_same_run(watched, monkeypatch):
+    import trackio.sqlite_storage
     from trackio.sqlite_storage import SQLiteStorage
+    # read where the fixture's runs wrote: its patch of TRACKIO_DIR ended with it, and where trackio was imported
+    # before the fixture (another test), the module's own value is the home's directory, not the fixture's
+    monkeypatch.setattr(trackio.sqlite_storage, "TRACKIO_DIR", watched["trackio_dir"])
     with open(watched["dir"] / "trackers.json") as f:
         name = json.load(f)["trackio"]
     assert SQLiteStorage.get_runs("pacs") == [name]  # one run, continued by the resumed one
