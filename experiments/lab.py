@@ -489,7 +489,8 @@ def parse_args(argv=None):
                    "than --ops gives the RL splits longer chains than SFT saw")
     p.add_argument("--task", choices=TASKS, default="chain", help="chain: the first lab's arithmetic; countdown: a "
                    "target from three numbers, several right answers, SFT mixed with chain rows")
-    p.add_argument("--max-number", type=int, default=13, help="countdown: the numbers are 2..this")
+    p.add_argument("--max-number", type=int, default=25, help="countdown: the numbers are 2..this (25: 6,947 "
+                   "problems with --min-forms 3 right answers, enough for the default splits)")
     p.add_argument("--min-forms", type=int, default=3, help="countdown: the canonical right answers every test, "
                    "val and train problem has at least")
     p.add_argument("--chain-sft-problems", type=int, default=4000, help="countdown: chain rows mixed into SFT's "
