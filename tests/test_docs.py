@@ -230,3 +230,123 @@ def test_every_threshold_is_printed_to_the_digits_that_decide_it():
             if x != threshold_digits(0.05 / int(n)):
                 wrong.append(f"{page}: 0.05 / {n} = {x}, where {threshold_digits(0.05 / int(n))} decides")
     assert not wrong, "\n".join(wrong)
+
+
+def one_line(text):
+    """A page's prose with its line breaks and runs of spaces as one space, so a sentence reads the same wrapped."""
+    return re.sub(r"\s+", " ", text)
+
+
+def at_its_digits(printed, value):
+    """True where `value` rounds to `printed` at the digits printed (0.71 holds 0.7122, not 0.7162)."""
+    decimals = len(printed.partition(".")[2])
+    return abs(float(printed) - value) <= 0.5 * 10 ** -decimals + 1e-9
+
+
+def test_the_results_pages_quickstart_numbers_are_its_logs():
+    """experiments/results.md's quickstart answer is read from the log it links: the mean rewards, the critic's AUC
+    (the mean over the steps that print one, named with their count), dA's mean and shift's range, and the run's
+    wall time, load and commit as the log's first lines give them; the question table's row says the same."""
+    text = open(os.path.join(EXPERIMENTS, "results.md"), encoding="utf-8").read()
+    section = one_line(text[text.index("\n## The quickstart\n"):].split("\n## ")[1])
+    row = one_line(next(line for line in text.splitlines() if line.startswith("| [The quickstart]")))
+    link = re.search(r"\]\((logs/[^)\s]+\.log)\)", section)
+    assert link, "results.md's quickstart links no logs/*.log"
+    with open(os.path.join(EXPERIMENTS, link.group(1)), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    head = " ".join(x for x in lines if x.startswith("# "))
+    steps = {}
+    for line in (x for x in lines if x.startswith("step ")):
+        cols = {k: v for k, v in re.findall(r"(reward|auc|shift|dA) (\S+)", line)}
+        steps[int(line.split()[1])] = {k: float(v) for k, v in cols.items() if re.fullmatch(r"[\d.]+", v)}
+
+    def mean(key, first, last):
+        values = [steps[s][key] for s in range(int(first), int(last) + 1) if key in steps[s]]
+        return sum(values) / len(values)
+
+    wrong = []
+    m = re.search(r"mean reward ([\d.]+) over steps (\d+)–(\d+) to ([\d.]+) over steps (\d+)–(\d+)", section)
+    assert m, "results.md's quickstart names no mean reward over steps A–B to C over steps D–E"
+    for printed, first, last in (m.group(1, 2, 3), m.group(4, 5, 6)):
+        if not at_its_digits(printed, mean("reward", first, last)):
+            wrong.append(f"mean reward {printed} over steps {first}–{last}: the log's {mean('reward', first, last)}")
+    m = re.search(r"AUC of ([\d.]+), the mean of the (\d+) per-step AUCs the log prints \(steps (\d+)–(\d+)", section)
+    assert m, "results.md's quickstart names no AUC as the mean of the N per-step AUCs the log prints (steps A–B"
+    auc, count, first, last = m.groups()
+    printed_at = [s for s in sorted(steps) if "auc" in steps[s]]
+    if printed_at != list(range(int(first), int(last) + 1)) or int(count) != len(printed_at):
+        wrong.append(f"{count} AUCs over steps {first}–{last}: the log prints one at steps {printed_at}")
+    if not at_its_digits(auc, mean("auc", first, last)):
+        wrong.append(f"AUC {auc} over steps {first}–{last}: the log's mean is {mean('auc', first, last)}")
+    if f"critic AUC {auc} (mean of steps {first}–{last})" not in row:
+        wrong.append(f"the question table's row does not give AUC {auc} over steps {first}–{last}: {row}")
+    m = re.search(r"`dA` averages ([\d.]+) over steps (\d+)–(\d+)", section)
+    if not m or not at_its_digits(m.group(1), mean("dA", *m.group(2, 3))):
+        wrong.append(f"dA's mean over its steps: {m and m.group()}, the log's {m and mean('dA', *m.group(2, 3))}")
+    m = re.search(r"`shift` ([\d.]+)–([\d.]+) after step 0", section)
+    shifts = [steps[s]["shift"] for s in steps if s > 0]
+    if not m or (float(m.group(1)), float(m.group(2))) != (min(shifts), max(shifts)):
+        wrong.append(f"shift's range after step 0: {m and m.group()}, the log's {min(shifts)}–{max(shifts)}")
+    wall = re.search(r"# wall: \d+ s \((\d+ min \d+ s)\)", head).group(1)
+    load = "–".join(re.search(r"# load average: ([\d.]+) to ([\d.]+)", head).groups())
+    commit = re.search(r"# commit: ([0-9a-f]+)", head).group(1)
+    for what, needle in (("wall time", f"{wall} wall on one thread"), ("load", f"load average {load}"),
+                         ("commit", f"at {commit}")):
+        if needle not in section:
+            wrong.append(f"results.md's quickstart does not give the log's {what} ({needle!r})")
+    if f"{wall} on one thread" not in row:
+        wrong.append(f"the question table's row does not give the log's wall time {wall}: {row}")
+    assert not wrong, "experiments/results.md, the quickstart:\n" + "\n".join(wrong)
+
+
+GPU_RUNS = os.path.join(EXPERIMENTS, "gpu-runs", "2026-11-27-h200")
+
+
+def test_the_sampling_share_of_a_decode_step_is_call_5s_profile():
+    """experiments/gpu-runs/README.md's sampling share is call 5's profile of the static cache's decode step, kernel
+    by kernel: each kernel's ms and their sum at the digits printed, its steps the kernels' calls, and the share a
+    step (the sum over the steps) and the step itself (ms_per_token) as both of the page's sentences give them."""
+    text = one_line(open(os.path.join(EXPERIMENTS, "gpu-runs", "README.md"), encoding="utf-8").read())
+    m = re.search(r"about ([\d.]+) ms of a ([\d.]+) ms decode step at ([\d,]+) rows with the static cache, by call 5's"
+                  r" profile at \w+: `_softmax` ([\d.]+) \+ `div` ([\d.]+) \+ `exponential_` ([\d.]+) = ([\d.]+) ms"
+                  r" over (\d+) steps", text)
+    assert m, "the page gives no sampling share as 'about A ms of a B ms decode step ... = S ms over N steps'"
+    share, step_ms, rows, softmax, div, exponential, total, n = m.groups()
+    with open(os.path.join(GPU_RUNS, "call5", "results.json"), encoding="utf-8") as f:
+        profile = json.load(f)["decode"]["profiles"][f"decode_static_{rows.replace(',', '')}x{n}"]
+    kernels = {k["name"]: k for k in profile["profiled"]["kernels"]}
+    wrong = []
+    for printed, name in ((softmax, "aten::_softmax"), (div, "aten::div"), (exponential, "aten::exponential_")):
+        if not at_its_digits(printed, kernels[name]["ms"]) or kernels[name]["calls"] != int(n):
+            wrong.append(f"{name}: {printed} ms over {n} steps, the profile's {kernels[name]}")
+    summed = sum(kernels[k]["ms"] for k in ("aten::_softmax", "aten::div", "aten::exponential_"))
+    if not at_its_digits(total, summed):
+        wrong.append(f"the sum {total} ms, the profile's {summed:.4f}")
+    if not at_its_digits(share, summed / int(n)):
+        wrong.append(f"{share} ms a step, the profile's {summed / int(n):.4f}")
+    if not at_its_digits(step_ms, profile["ms_per_token"]):
+        wrong.append(f"a {step_ms} ms decode step, the profile's {profile['ms_per_token']:.4f}")
+    other = re.search(r"call 5's profile of the compiled step \(([\d.]+) ms at ([\d,]+) rows\), softmax, exponential"
+                      r" and division kernels come to about ([\d.]+) ms a step", text)
+    if not other or other.groups() != (step_ms, rows, share):
+        wrong.append(f"the caveat's sentence says otherwise: {other and other.group()}")
+    assert not wrong, "experiments/gpu-runs/README.md:\n" + "\n".join(wrong)
+
+
+def test_the_checkpoint_write_times_are_the_calls_logs():
+    """docs/gpu.md's checkpoint write time is the range of the `[save] ... in S s` lines of the calls it names, and
+    it names every call whose check.log wrote one."""
+    text = one_line(open(os.path.join(DOCS, "gpu.md"), encoding="utf-8").read())
+    m = re.search(r"one took ([\d.]+)–([\d.]+) s to write \(calls ((?:\d+, )*\d+ and \d+),", text)
+    assert m, "docs/gpu.md gives no 'one took A–B s to write (calls X, Y and Z,'"
+    named = [int(c) for c in re.findall(r"\d+", m.group(3))]
+    saves = {}
+    for call in sorted(os.listdir(GPU_RUNS)):
+        log = os.path.join(GPU_RUNS, call, "check.log")
+        if os.path.isfile(log):
+            found = re.findall(r"^\[save\] checkpoint-\d+ in ([\d.]+) s$", open(log, encoding="utf-8").read(), re.M)
+            if found:
+                saves[int(call.removeprefix("call"))] = [float(s) for s in found]
+    assert named == sorted(saves), f"docs/gpu.md names calls {named}; the calls whose check.log saved: {sorted(saves)}"
+    every = [s for call in named for s in saves[call]]
+    assert (float(m.group(1)), float(m.group(2))) == (min(every), max(every)), (m.group(), min(every), max(every))
