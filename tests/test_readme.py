@@ -198,14 +198,16 @@ def test_the_copying_snippet_runs_and_prints_what_the_readme_says(monkeypatch):
 
 def test_the_quickstart_quotes_its_committed_log_and_shows_the_critic():
     """The quickstart runs M >= 2, so its log's critic columns hold numbers; the lines it quotes are lines of the log
-    it links, the only log in experiments/logs/ (a new run's log replaces the old), whose first lines name the
-    conditions it ran in (command, commit, CPU, threads, load, wall time); its mean rewards are the log's."""
+    it links, the only log in experiments/logs/, beside its metrics.jsonl (a new run replaces the old), whose first
+    lines name the conditions it ran in (command, commit, CPU, threads, load, wall time); its mean rewards are the
+    log's."""
     text = readme_text()
     command = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1)
     assert int(re.search(r"--num-mini-batches (\d+)", command).group(1)) >= 2, "M = 1: the critic never acts"
     link = re.search(r"\[every line\]\((experiments/logs/[^)\s]+\.log)\)\)?:\n\n```\n(.*?)```", text, flags=re.S)
     assert link, "the quickstart links no experiments/logs/*.log right above its quoted lines"
-    assert os.listdir(os.path.join(ROOT, "experiments", "logs")) == [os.path.basename(link.group(1))]
+    name = os.path.basename(link.group(1))
+    assert sorted(os.listdir(os.path.join(ROOT, "experiments", "logs"))) == [name, name[:-4] + ".metrics.jsonl"]
     with open(os.path.join(ROOT, link.group(1)), encoding="utf-8") as f:
         lines = f.read().splitlines()
     conditions, log = [x for x in lines if x.startswith("# ")], [x for x in lines if not x.startswith("# ")]
