@@ -12,6 +12,11 @@ both signal and headroom. pacs.py trains it and eval.py scores it unchanged (exp
     python eval.py --model experiments/out_lab/lab/model --datasets experiments/out_lab/lab/test.jsonl --n 64 \
         --temperature 1.0 --top-p 1.0 --max-new-tokens 32 --batch-size 1024 --out runs/lab_base
 
+The countdown lab (experiments/labs/countdown/base; several right answers per problem, chain rows mixed into SFT
+so that the chain test split is a second domain, experiments/labs/countdown/README.md):
+
+    python experiments/lab.py --task countdown --out experiments/out_lab/countdown --seed 0 --max-new-tokens 40
+
 Writes into --out (which must not exist): sft.jsonl (the worked solutions SFT trains on), train.jsonl (the
 prompts RL trains on), val.jsonl (the learning-rate scan's), test.jsonl (the final pass@k's), each a JSONL of
 {id, problem, answer, solution, source}, no problem in two files; model/ (save_pretrained: config, weights,
@@ -493,8 +498,9 @@ def parse_args(argv=None):
                    "problems with --min-forms 3 right answers, enough for the default splits)")
     p.add_argument("--min-forms", type=int, default=3, help="countdown: the canonical right answers every test, "
                    "val and train problem has at least")
-    p.add_argument("--chain-sft-problems", type=int, default=4000, help="countdown: chain rows mixed into SFT's "
-                   "countdown rows (--sft-problems)")
+    p.add_argument("--chain-sft-problems", type=int, default=700, help="countdown: chain rows mixed into SFT's "
+                   "countdown rows (--sft-problems); 700 puts the base's chain test pass@1 at 0.374, 1500 at 0.650 "
+                   "and 4000 at 0.843 (seed 0, 40 new tokens)")
     p.add_argument("--chain-test-problems", type=int, default=200, help="countdown: the chain test split, the "
                    "out-of-domain score")
     p.add_argument("--hidden", type=int, default=128, help="hidden size (intermediate: 2x)")
