@@ -8,11 +8,13 @@
 
 `prepare` fills the git-ignored folder .gpu/, to be sent along with the repository to the GPU machine (named, since
 git ignores it): Qwen2.5-0.5B-Instruct's config, tokenizer and generation config from ../shared/models (no weights:
-the check builds a random-init stand-in of the exact shape), 1,500 MATH problems from ../shared/data (prompt text),
-and with --wheels the transformers wheel pacs.py needs (>= 5.24; the GPU machine has 5.17), downloaded for the
-machine's Python 3.12.
+the check builds a random-init stand-in of the exact shape), Qwen3-4B's config (models/qwen3-4b) with the Qwen3
+tokenizer (../shared/models/qwen3; step_qwen3 builds that model on the card), 1,500 MATH problems from
+../shared/data (prompt text), and with --wheels the transformers wheel pacs.py needs (>= 5.24; the GPU machine has
+5.17) and peft's (requirements.txt's pin), downloaded for the machine's Python 3.12.
 """
 import argparse
+import gzip
 import json
 import os
 import re
@@ -24,10 +26,23 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(ROOT, "..", "shared")
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+QWEN3_FILES = ("config.json", "generation_config.json")  # models/qwen3-4b's: the architecture step_qwen3 builds
+
+
+def pinned(name):
+    """requirements.txt's pin of a package ('peft==0.21.2'): the check carries the version the project pins."""
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        pins = [line.split("#")[0].strip() for line in f if re.match(rf"{name}\s*==", line)]
+    if not pins:
+        die(f"requirements.txt pins no {name}== (the check carries the pinned version)")
+    return pins[0].replace(" ", "")
+
+
 # What the GPU machine lacks, as wheels for its Python (3.12, x86-64): transformers 5.24 (the machine has 5.17;
-# pacs.py passes `cache=`). Its other needs are there at versions it accepts (huggingface-hub 1.33, tokenizers
-# 0.23.2, safetensors 0.8.0, and regex, typer, tqdm, numpy, pyyaml, packaging).
-WHEELS = ("transformers==5.24.0",)
+# pacs.py passes `cache=`) and peft as requirements.txt pins it (--lora-rank; the machine has none). Their other
+# needs are there at versions they accept (huggingface-hub 1.33, tokenizers 0.23.2, safetensors 0.8.0, accelerate
+# 1.15, psutil, and regex, typer, tqdm, numpy, pyyaml, packaging).
+WHEELS = ("transformers==5.24.0", pinned("peft"))
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 CARRY_LIMIT = 64 * 2 ** 20  # what travels to the GPU machine: the working tree and the folders named, together
 
@@ -40,14 +55,25 @@ def folder_bytes(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def prepare(dest, model_dir, data_dir, wheels, problems=1500):
-    """dest/model (config, tokenizer, generation config), dest/data/math_train.jsonl (the first `problems` MATH
-    problems: prompt text), and with wheels dest/wheels/*.whl; prints what would travel."""
+def prepare(dest, model_dir, data_dir, wheels, qwen3_dir, problems=1500):
+    """dest/model (config, tokenizer, generation config), dest/qwen3-4b (models/qwen3-4b's config and generation
+    config, qwen3_dir's tokenizer, its tokenizer.json gzipped: 2 of 11 MB), dest/data/math_train.jsonl (the first
+    `problems` MATH problems: prompt text), and with wheels dest/wheels/*.whl; prints what would travel."""
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         die(f"no config.json in {model_dir} (the Qwen2.5-0.5B-Instruct files: ../shared/models/README.md)")
+    if not os.path.isfile(os.path.join(qwen3_dir, "tokenizer.json")):
+        die(f"no tokenizer.json in {qwen3_dir} (the Qwen3 tokenizer: ../shared/models/README.md)")
     os.makedirs(os.path.join(dest, "model"), exist_ok=True)
     for name in MODEL_FILES:
         shutil.copyfile(os.path.join(model_dir, name), os.path.join(dest, "model", name))
+    qwen3 = os.path.join(dest, "qwen3-4b")
+    os.makedirs(qwen3, exist_ok=True)
+    for name in QWEN3_FILES:
+        shutil.copyfile(os.path.join(ROOT, "models", "qwen3-4b", name), os.path.join(qwen3, name))
+    shutil.copyfile(os.path.join(qwen3_dir, "tokenizer_config.json"), os.path.join(qwen3, "tokenizer_config.json"))
+    with open(os.path.join(qwen3_dir, "tokenizer.json"), "rb") as f, \
+            gzip.GzipFile(os.path.join(qwen3, "tokenizer.json.gz"), "wb", mtime=0) as g:  # gpu_step.py unpacks it
+        shutil.copyfileobj(f, g)
     os.makedirs(os.path.join(dest, "data"), exist_ok=True)
     source = os.path.join(data_dir, "math_train.jsonl")
     with open(os.path.join(dest, "data", "math_train.jsonl"), "w") as out:
@@ -101,7 +127,9 @@ APIS = ("torch.cuda.mem_get_info", "torch.cuda.memory_reserved", "torch.cuda.set
         "transformers.PreTrainedModel.activation_checkpointing_enable",
         "transformers.PreTrainedModel.set_attn_implementation",
         "torch.nn.attention.flex_attention.flex_attention",  # --static-cache flex
-        "torch.nn.attention.flex_attention.BlockMask.from_kv_blocks")
+        "torch.nn.attention.flex_attention.BlockMask.from_kv_blocks",
+        "peft.LoraConfig", "peft.get_peft_model", "peft.PeftModel.from_pretrained",  # --lora-rank (the wheel)
+        "peft.get_peft_model_state_dict", "peft.set_peft_model_state_dict")
 
 
 def missing_apis():
@@ -116,6 +144,9 @@ def missing_apis():
                 break
             except ImportError:
                 continue
+        else:  # not even its package imports (peft without its wheel)
+            missing.append(name)
+            continue
         try:
             for attr in parts[i:]:
                 obj = getattr(obj, attr)
@@ -169,9 +200,14 @@ def probe(path, device_name):
     import pacs
     import plumbing
     cfg = pacs.Config(device=device_name, prompts_per_step=1, group_size=2, max_new_tokens=1)
+    try:
+        import peft
+        peft_version, peft_file = peft.__version__, peft.__file__
+    except ImportError:
+        peft_version = peft_file = None
     result = {"python": sys.version.split()[0], "torch": torch.__version__, "torch_cuda": torch.version.cuda,
               "transformers": transformers.__version__, "transformers_file": transformers.__file__,
-              "missing_apis": missing_apis()}
+              "peft": peft_version, "peft_file": peft_file, "missing_apis": missing_apis()}
     try:
         device = plumbing.pick_device(cfg)  # on CUDA: sets the allocator's expandable segments, as pacs.py does
     except plumbing.ConfigError as e:
@@ -263,7 +299,7 @@ def summary_rows(out):
         rows.append(("probe", missing["probe"]))
     else:
         rows.append(("device", f"{p.get('device', '?')}; torch {p.get('torch')}, "
-                               f"transformers {p.get('transformers')}"))
+                               f"transformers {p.get('transformers')}, peft {p.get('peft')}"))
         if "error" in p:
             rows.append(("probe", f"error: {p['error']}"))
         rows.append(("APIs of the GPU road", "all present" if not p.get("missing_apis") else
@@ -277,8 +313,7 @@ def summary_rows(out):
             rows.append(("allocator", f"{p.get('alloc_conf')}; expandable segments in effect: "
                                       f"{p['expandable_segments']}; plan reads {_num(p.get('plan_memory_gib'), '.1f')}"
                                       f" of {_num(p.get('total_gib'), '.1f')} GiB"))
-    for name, what in (("psi_levers", "psi_std at --lr 0, every lever on"),
-                       ("psi_ckpt", "psi_std at --lr 0, every lever on, --gradient-checkpointing")):
+    for name, what in PSI_STEPS:
         r = load(name)
         if r is None:
             rows.append((what, "FAIL: " + missing[name]))
@@ -299,7 +334,8 @@ def summary_rows(out):
                        ("step_defer", "default step, --defer-stop-check"),
                        ("step_shared", "default step, one group per micro-batch, shared prompt"),
                        ("step_22g", "--memory-gib 22.5, the defaults"),
-                       ("step_22g_ckpt", "--memory-gib 22.5, --gradient-checkpointing")):
+                       ("step_22g_ckpt", "--memory-gib 22.5, --gradient-checkpointing"),
+                       ("step_qwen3", QWEN3_STEP)):
         r = steps[name] = load(name)
         if r is None:
             rows.append((what, "FAIL: " + missing[name]))
@@ -320,6 +356,7 @@ def summary_rows(out):
                        f"x{r['generate_over_plan']:.3f}), update {r['update_peak_gib']:.2f} GiB (plan "
                        f"{r['plan_update_gib']:.2f}, x{r['update_over_plan']:.3f}); micro-batch "
                        f"{r['micro_batch_size']} rows, {r['gen_batch_prompts']} prompts per generate call"))
+    rows += qwen3_rows(steps.get("step_qwen3"))
     phases = {"step": "step_s", "generate": "generate_s", "verify": "verify_s", "old log-probs": "old_logprobs_s",
               "updates": "update_s"}
 
@@ -390,6 +427,33 @@ def summary_rows(out):
     return rows
 
 
+PSI_STEPS = (("psi_levers", "psi_std at --lr 0, every lever on"),
+             ("psi_ckpt", "psi_std at --lr 0, every lever on, --gradient-checkpointing"),
+             ("psi_lora", "psi_std at --lr 0, LoRA rank 16, its B drawn at random"))
+QWEN3_STEP = "Qwen3-4B stand-in, v2's prompt, LoRA rank 16"
+
+
+def qwen3_rows(r):
+    """step_qwen3's rows beside its time and peaks: the model built on the card, psi at its --lr 0, and each step
+    extrapolated from it (the arithmetic in its JSON and check.log)."""
+    if not r or "error" in r:
+        return []
+    rows = [(f"{QWEN3_STEP}: the build", f"{r['params'] / 1e9:.2f}B parameters ({r.get('layers')} layers, vocab "
+                                          f"{r.get('vocab')}) built on {r.get('built_on')} in "
+                                          f"{_num(r.get('build_s'), '.1f')} s; prompt {r.get('prompt')}, peft "
+                                          f"{r.get('peft')}"),
+            (f"{QWEN3_STEP}: psi_std at --lr {_num(r.get('lr'), 'g')}",
+             ("pass" if r.get("psi_std_max") == 0 else "FAIL") + f": psi_std {r.get('psi_std_max')} (its adapter's B "
+                                                                 "drawn at random)")]
+    for e in r.get("extrapolated", []):
+        rows.append((f"{QWEN3_STEP}: a step at {e['target']}, extrapolated", e.get("error") or (
+            f"{e['step_s']:.0f} s ({e['step_s'] / 3600:.2f} h) = generate {e['generate_s']:.0f} + verify "
+            f"{e['verify_s']:.0f} + old log-probs {e['old_logprobs_s']:.0f} + updates {e['update_s']:.0f}; "
+            f"{e['gen_batch_prompts']} prompts a generate call, micro-batch {e['micro_batch_size']} rows "
+            "(the arithmetic: check.log)")))
+    return rows
+
+
 def form_pairs(forms, slow, fast):
     """[(compiled form, eager form)]: forms.json's forms `fast` timed beside `slow` at as many rows (layersc-32 and
     full-32), both with a forward + backward."""
@@ -449,7 +513,7 @@ def target_rows(steps, rows):
               if ran.get(k, {}).get("decode_ms_per_token")]
     small = ran["step_22g"]["step_s"] / ran["step_22g_ckpt"]["step_s"] if {"step_22g", "step_22g_ckpt"} <= set(ran) \
         else None
-    psi = [v for k, v in rows if k.startswith("psi_std at --lr 0")]
+    psi = {name: v for name, what in PSI_STEPS for k, v in rows if k == what}
     return [
         row(f"target: the default step x{TARGETS['step']} faster than every lever off (same call)", bool(speed),
             speed and max(speed)[0] >= TARGETS["step"], ", ".join(f"{k} x{r:.2f}" for r, k in speed),
@@ -465,9 +529,8 @@ def target_rows(steps, rows):
             small is not None, small is not None and small >= TARGETS["small_card"], f"x{small or 0:.2f}",
             "step_22g and step_22g_ckpt"),
         row("target: psi exactly 0 at --lr 0 on every route", bool(psi),
-            psi and all(v.startswith("pass") for v in psi),
-            ", ".join(f"{name} {v.split(':')[0]}" for name, v in zip(("psi_levers", "psi_ckpt"), psi)),
-            "psi_levers and psi_ckpt"),
+            psi and all(v.startswith("pass") for v in psi.values()),
+            ", ".join(f"{name} {v.split(':')[0]}" for name, v in psi.items()), "psi_levers, psi_ckpt and psi_lora"),
     ]
 
 
@@ -498,6 +561,7 @@ def main(argv=None):
     p = sub.add_parser("prepare", help="fill .gpu/ (here, before the GPU machine is lent)")
     p.add_argument("--dest", default=os.path.join(ROOT, ".gpu"))
     p.add_argument("--model-dir", default=os.path.join(SHARED, "models", "qwen2.5-0.5b-instruct"))
+    p.add_argument("--qwen3-dir", default=os.path.join(SHARED, "models", "qwen3"), help="the Qwen3 tokenizer")
     p.add_argument("--data-dir", default=os.path.join(SHARED, "data"))
     p.add_argument("--wheels", action="store_true", help="also download the wheels (needs the package registry)")
     p = sub.add_parser("probe", help="versions, card, SDPA kernels, allocator: one JSON")
@@ -516,7 +580,7 @@ def main(argv=None):
     if rest and args.cmd != "lab":
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "prepare":
-        prepare(args.dest, args.model_dir, args.data_dir, args.wheels)
+        prepare(args.dest, args.model_dir, args.data_dir, args.wheels, args.qwen3_dir)
     elif args.cmd == "probe":
         probe(args.json, args.device)
     elif args.cmd == "build":

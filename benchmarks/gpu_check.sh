@@ -8,7 +8,8 @@
 #
 # Reads .gpu/ (GPU_CHECK_DIR), which `python benchmarks/gpu_check.py prepare --wheels` fills beforehand: the wheels
 # the machine lacks (installed into a private folder first, offline), Qwen2.5-0.5B-Instruct's config and tokenizer
-# (a random-init stand-in of the exact shape is built from them) and MATH text for the prompts. Each step runs under
+# (a random-init stand-in of the exact shape is built from them), Qwen3-4B's config with the Qwen3 tokenizer
+# (step_qwen3 builds that model on the card) and MATH text for the prompts. Each step runs under
 # its own `timeout` and writes its JSON into OUT; a step that fails or times out is recorded and the next one runs.
 #   probe          versions, the card, SDPA's kernels on rows of padding, the allocator's settings
 #   step_default   the defaults at the default shape: time split, tokens/s, generate and update peaks vs the plan
@@ -18,6 +19,12 @@
 #                  prompts of varied length (left padding): psi_std exactly 0
 #   psi_ckpt       psi at --lr 0 with every lever on, --gradient-checkpointing, against a frozen pi_ref
 #                  (--ref-reset-every 2: the reference copy's forwards)
+#   psi_lora       psi at --lr 0 with LoRA (rank 16, its B drawn at random, not peft's zeros) on the defaults (on
+#                  CUDA the static cache compiles the decode step through peft's layers): psi_std exactly 0
+#   step_qwen3     a Qwen3-4B stand-in built on the card from models/qwen3-4b's config (random weights, the build
+#                  timed), v2's prompt with the real Qwen3 tokenizer, LoRA rank 16, 16 prompts of 1,024 tokens x 8,
+#                  512 new tokens at --lr 0: time split, decode ms a token, the updates' share of the card, peaks
+#                  vs the plan, and from them a step at 128 x 8 and 1,024 x 8 prompts of 1,024 + 8,192 tokens
 #   step_off       the default step with every lever off (--pack-groups off --full-rows off --static-cache off
 #                  --verify-workers 1): the baseline of the step's target (step_default and step_opt against it)
 #   step_22g       the defaults at --memory-gib 22.5 under a real allocator cap (a 24 GB card's limit)
@@ -37,10 +44,10 @@
 #   step_shared    the default step with one group per micro-batch and the shared prompt (--pack-groups off
 #                  --full-rows off)
 #   profile        torch.profiler over a smaller default step's verify, old log-probs and updates
-# They run in this order: what the targets and exactness need first, then the README's commands, then each lever
-# alone and what earlier calls measured. A call runs those that fit its budget (the default: 470 s, a call of 8
-# minutes) and names the others as skipped (or timed out, where the budget cut a step's limit), for the next call to
-# ask for by name (GPU_CHECK_STEPS).
+# They run in this order: what the targets and exactness need first, then LoRA's psi and the Qwen3-4B stand-in, then
+# the README's commands, then each lever alone and what earlier calls measured. A call runs those that fit its budget
+# (the default: 470 s, a call of 8 minutes) and names the others as skipped (or timed out, where the budget cut a
+# step's limit), for the next call to ask for by name (GPU_CHECK_STEPS).
 # With CUDA --pack-groups, --full-rows, --static-cache and --verify-workers are on by default: step_shared and
 # step_dynamic against step_default give their ratios, phase by phase, on one card in one call. The opt-in levers
 # (--static-cache flex, --compile-head, --compile-layers, --sampler gumbel, --defer-stop-check): step_opt against
@@ -79,7 +86,7 @@ export TQDM_DISABLE=1 PYTHONDONTWRITEBYTECODE=1
 # itself with these otherwise)
 [ "$DEVICE" = cpu ] && export MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0
 
-# the wheels, offline, into a private folder in front of the machine's own packages
+# the wheels (transformers, peft), offline, into a private folder in front of the machine's own packages
 if ls "$GPU_DIR"/wheels/*.whl > /dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SCRATCH/site" \
         "$GPU_DIR"/wheels/*.whl >> "$LOG" 2>&1 ||
@@ -128,6 +135,7 @@ OPT_IN=(--static-cache flex --compile-head --compile-layers --sampler gumbel --d
 SHARED=(--pack-groups off --full-rows off)
 DYNAMIC=(--static-cache off --verify-workers 1)
 OFF=("${SHARED[@]}" "${DYNAMIC[@]}")  # every lever off: pacs.py's defaults before the levers, the targets' baseline
+LORA=(--lora-rank 16 --random-adapter)  # an adapter that adds something: psi = 0 at --lr 0 can fail
 E2E=$SCRATCH/e2e
 if [ "$DEVICE" = cuda ]; then
     TINY=()
@@ -140,6 +148,8 @@ if [ "$DEVICE" = cuda ]; then
     FORMS=(--forms full-32,layersc-32,head-8,headc-8 --repeats 2)
     DECODE=(--decode-rows 1024)
     ATTN=()
+    AUTO=()  # the auto levers as CUDA has them: on
+    QWEN3=(--prompt v2 --lr 0 --prompts-per-step 16 --max-prompt-tokens 1024 --max-new-tokens 512)
 else  # the rehearsal: 2 small layers with the real vocabulary, a few rows and tokens
     TINY=(--tiny)
     DEFAULT=(--prompts-per-step 2 --group-size 2 --num-mini-batches 1 --max-prompt-tokens 64 --max-new-tokens 4)
@@ -153,6 +163,9 @@ else  # the rehearsal: 2 small layers with the real vocabulary, a few rows and t
            --max-prompt-tokens 64 --max-new-tokens 4)
     DECODE=(--tiny --decode-rows 4 --decode-tokens 4 --group-size 2 --max-prompt-tokens 64 --max-new-tokens 4)
     ATTN=(--rows 8 --cache 384 --filled 200 --vocab 4096 --iters 3)
+    AUTO=(--static-cache on --pack-groups on --full-rows on --verify-workers 0)  # CUDA's auto levers, by name
+    QWEN3=(--tiny --prompt v2 --lr 0 --prompts-per-step 2 --group-size 2 --num-mini-batches 2 --max-prompt-tokens 64
+           --max-new-tokens 4)
 fi
 # the README's train command, on the stand-in and the prepared MATH text, with an eval and a checkpoint every step
 README_TRAIN=(pacs.py --model "$STANDIN" --dataset math --data-dir "$GPU_DIR/data" --device "$DEVICE" "${TRAIN[@]}"
@@ -166,6 +179,10 @@ step step_opt 230 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${OPT_IN[@]}" --json "$OUT
 step psi_levers 150 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --json "$OUT/psi_levers.json"
 step psi_ckpt 150 "$PY" "${STEP[@]}" "${PSI[@]}" "${LEVERS[@]}" --gradient-checkpointing --ref-reset-every 2 \
     --json "$OUT/psi_ckpt.json"
+step psi_lora 150 "$PY" "${STEP[@]}" "${PSI[@]}" "${AUTO[@]}" "${LORA[@]}" --json "$OUT/psi_lora.json"
+step step_qwen3 240 "$PY" benchmarks/gpu_step.py --random-init "$GPU_DIR/qwen3-4b" --data-dir "$GPU_DIR/data" \
+    --device "$DEVICE" --warmup-steps 0 --timed-steps 1 "${QWEN3[@]}" "${AUTO[@]}" "${LORA[@]}" --extrapolate \
+    --json "$OUT/step_qwen3.json"
 step step_off 200 "$PY" "${STEP[@]}" "${DEFAULT[@]}" "${OFF[@]}" --json "$OUT/step_off.json"
 step step_22g 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --json "$OUT/step_22g.json"
 step step_22g_ckpt 150 "$PY" "${STEP[@]}" "${SMALL_CARD[@]}" --gradient-checkpointing --json "$OUT/step_22g_ckpt.json"

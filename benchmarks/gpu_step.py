@@ -10,11 +10,17 @@ update), generated tokens/s, the peak memory of generate and of the update (read
 pacs.py's memory plan (on CUDA the allocated peaks, beside the reserved peaks and the device's own count of memory
 in use), the update's model-FLOPs utilisation and the projected wall time of the default 300-step run. On CUDA,
 --memory-gib also caps PyTorch's allocator (cap_allocator), so that a large card meets a small one's limit.
+--random-init DIR builds another architecture on the device from DIR's config alone (random weights, the build
+timed), --random-adapter draws a LoRA adapter's B at random, and --extrapolate prints the time of a step at other
+shapes from the measured one, its arithmetic line by line (extrapolate).
 
     python benchmarks/gpu_step.py                             # CUDA, all pacs.py defaults
     python benchmarks/gpu_step.py --memory-gib 22.5           # a 24 GB card: its plan, under its allocator limit
     python benchmarks/gpu_step.py --lr 0 --varied-prompts 128 --expect-psi-zero   # psi == 0 at pi_old, or exit 1
     python benchmarks/gpu_step.py --device cpu --tiny         # smoke test: 2 small layers, real vocab
+    python benchmarks/gpu_step.py --lora-rank 16 --random-adapter --lr 0 --expect-psi-zero # an adapter that acts
+    python benchmarks/gpu_step.py --random-init .gpu/qwen3-4b --prompt v2 --lora-rank 16 --max-prompt-tokens 1024 \\
+        --extrapolate                      # Qwen3-4B built on the card; a step at 128 x 8 and 1,024 x 8, 1,024 + 8,192
     python benchmarks/gpu_step.py --device cpu --max-prompt-tokens 64 --max-new-tokens 64 \\
         --prompts-per-step 2 --num-mini-batches 2 --timed-steps 1   # real shape on a CPU: plan vs peak RSS
 
@@ -27,6 +33,8 @@ import dataclasses
 import json
 import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,14 +54,25 @@ PEAK_TFLOPS = {"H200": 989.4, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989
                "L4": 121.0, "A10G": 70.0, "A10": 125.0, "RTX 4090": 165.2, "RTX 3090": 71.0}
 
 
+SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)  # --tiny: 2 small layers, the real 151,936 vocab
+
+
+def standin_config(model_dir, tiny):
+    """model_dir's config (--tiny: SMALL's 2 small layers, the rest as it is)."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model_dir, **(SMALL if tiny else {}))
+    if tiny and getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:config.num_hidden_layers]  # one attention type per layer
+    if tiny and getattr(config, "max_window_layers", None):
+        config.max_window_layers = config.num_hidden_layers
+    return config
+
+
 def build_standin(model_dir, out, tiny, seed=0):
     """save_pretrained dir: the model_dir architecture with random weights, its tokenizer and generation config."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    small = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16)  # --tiny: 2 small layers, the real 151,936 vocab
-    config = AutoConfig.from_pretrained(model_dir, **(small if tiny else {}))
-    if tiny:
-        config.layer_types = config.layer_types[:config.num_hidden_layers]  # one attention type per layer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    config = standin_config(model_dir, tiny)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig.from_pretrained(model_dir)
@@ -61,24 +80,91 @@ def build_standin(model_dir, out, tiny, seed=0):
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
 
 
-def fixed_length_prompts(tokenizer, n, length, data_dir):
+def weightless_standin(model_dir, out, tiny):
+    """--random-init: out gets model_dir's config (--tiny: shrunk), generation config and tokenizer, no weights
+    (tokenizer.json may travel gzipped, as tokenizer.json.gz): the model is built from them on the device."""
+    import gzip
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        sys.exit(f"gpu_step.py: error: --random-init {model_dir}: no config.json there")
+    standin_config(model_dir, tiny).save_pretrained(out)
+    for name in ("generation_config.json", "tokenizer_config.json", "tokenizer.json"):
+        source = os.path.join(model_dir, name)
+        if os.path.isfile(source):
+            shutil.copyfile(source, os.path.join(out, name))
+        elif name == "tokenizer.json" and os.path.isfile(source + ".gz"):
+            with gzip.open(source + ".gz", "rb") as f, open(os.path.join(out, name), "wb") as g:
+                shutil.copyfileobj(f, g)
+        elif name != "generation_config.json":
+            sys.exit(f"gpu_step.py: error: --random-init {model_dir}: no {name} (or {name}.gz) there")
+
+
+def random_init_loader(timing, seed=0):
+    """plumbing.load_model for --random-init: the model of a weightless_standin directory built on the device itself
+    with random weights (never on disk: Qwen3-4B's fp32 weights would be 16 GB to write and read), with its tokenizer
+    and generation config as load_model gives them; the build's seconds and where it ran go into timing."""
+    def load(name, device="cpu", dtype=torch.float32, base=""):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        device = torch.device(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.time()
+        torch.manual_seed(seed)
+        with device:  # the weights are drawn where they live
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name), dtype=dtype)
+        timing["built_on"] = str(next(model.parameters()).device)
+        model = model.to(device).eval()
+        if os.path.isfile(os.path.join(name, "generation_config.json")):
+            model.generation_config = GenerationConfig.from_pretrained(name)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        timing["build_s"] = time.time() - t0
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model.name_or_path = os.path.abspath(name)
+        print(f"--random-init: {model.config.model_type} of {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
+              f"parameters built on {timing['built_on']} in {timing['build_s']:.1f} s", flush=True)
+        return model, tokenizer
+    return load
+
+
+def randomize_adapter(model, seed=1):
+    """--random-adapter: every LoRA B drawn at random (normal, the base's initializer_range as its std) instead of
+    peft's zeros, so that the adapter adds something and a forward that skips it (or runs it otherwise in one phase)
+    moves psi off 0 at --lr 0. Returns the number of B entries drawn."""
+    std = getattr(model.config, "initializer_range", 0.02)
+    gen = torch.Generator().manual_seed(seed)
+    drawn = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                drawn += p.numel()
+    return drawn
+
+
+def fixed_length_prompts(tokenizer, n, length, data_dir, prompt="official", thinking=True):
     """n chat-template prompts of exactly `length` tokens, made of MATH problems (synthetic ones offline)."""
-    return prompts_of_lengths(tokenizer, [length] * n, data_dir)
+    return prompts_of_lengths(tokenizer, [length] * n, data_dir, prompt, thinking)
 
 
-def varied_length_prompts(tokenizer, n, shortest, longest, data_dir, seed=0):
+def varied_length_prompts(tokenizer, n, shortest, longest, data_dir, seed=0, prompt="official", thinking=True):
     """n chat-template prompts of lengths drawn uniformly from shortest..longest tokens (seeded): batches of them are
     left-padded, as a real run's are."""
     rng = random.Random(seed)
-    return prompts_of_lengths(tokenizer, [rng.randint(shortest, longest) for _ in range(n)], data_dir)
+    return prompts_of_lengths(tokenizer, [rng.randint(shortest, longest) for _ in range(n)], data_dir, prompt,
+                              thinking)
 
 
-def prompts_of_lengths(tokenizer, lengths, data_dir):
-    """Chat-template prompts of exactly these token lengths, made of MATH problems (synthetic ones offline)."""
+def prompts_of_lengths(tokenizer, lengths, data_dir, prompt="official", thinking=True):
+    """Chat-template prompts of exactly these token lengths, made of MATH problems (synthetic ones offline), each
+    rendered as --prompt and --thinking render it (plumbing.build_prompt; kept as the problem's "prompt")."""
     path = os.path.join(data_dir, "math_train.jsonl")
     rows = plumbing.load_problems(path) if os.path.isfile(path) else plumbing.synthetic_problems(1000, 0)
     texts = [p["problem"] for p in rows]
-    overhead = len(tokenizer(plumbing.build_prompt(tokenizer, ""), add_special_tokens=False)["input_ids"])
+    render = lambda text: plumbing.build_prompt(tokenizer, text, prompt, thinking)  # noqa: E731
+    overhead = len(tokenizer(render(""), add_special_tokens=False)["input_ids"])
     if min(lengths) <= overhead:
         sys.exit(f"gpu_step.py: error: a prompt of {min(lengths)} tokens is not above the template's {overhead}")
     prompts, i = [], 0
@@ -89,11 +175,11 @@ def prompts_of_lengths(tokenizer, lengths, data_dir):
             i += 1
         k = length - overhead
         while True:  # decoding and re-encoding a cut can change the count by a token: cut until it fits
-            prompt = plumbing.build_prompt(tokenizer, tokenizer.decode(ids[:k]))
-            if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= length:
+            text = render(tokenizer.decode(ids[:k]))
+            if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= length:
                 break
             k -= 1
-        prompts.append({"id": str(len(prompts)), "problem": tokenizer.decode(ids[:k]), "answer": "0"})
+        prompts.append({"id": str(len(prompts)), "problem": tokenizer.decode(ids[:k]), "answer": "0", "prompt": text})
     return prompts
 
 
@@ -134,16 +220,25 @@ def cuda_memory_text(m):
             "(mem_get_info)")
 
 
-def update_flops(config, n_params, prompt_tokens, response_tokens, rows, groups):
-    """Model FLOPs of the update phase (forward + backward = 3x forward; recomputation not counted)."""
+def forward_flops(config, n_params, prompt_tokens, response_tokens, rows, groups):
+    """(the weights' matmuls, the attention's): model FLOPs of one forward over a step's rows, each prompt once per
+    group (groups = rows: every row whole)."""
     H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     qd = config.num_attention_heads * plumbing.head_dim(config)
     matmul_params = n_params - V * H  # the embedding lookup is free; the (tied) LM head is counted below
     tokens = groups * prompt_tokens + rows * response_tokens  # each prompt once per group (shared KV cache)
     S = prompt_tokens + response_tokens
     attention = rows * 2 * 2 * L * qd * (S * S - prompt_tokens * prompt_tokens) / 2  # causal QK^T and AV
-    forward = 2 * matmul_params * tokens + 2 * V * H * rows * response_tokens + attention
-    return 3 * forward
+    return 2 * matmul_params * tokens + 2 * V * H * rows * response_tokens, attention
+
+
+def update_flops(config, n_params, prompt_tokens, response_tokens, rows, groups, frozen=False, recompute=False):
+    """Model FLOPs of the update phase (forward + backward = 3x forward; recompute: --gradient-checkpointing's one
+    forward more, else not counted). frozen (LoRA): the base's matmuls and the head take no weight gradient, so
+    their backward is one forward (the input's gradient), the attention's still two (the adapter's own FLOPs,
+    rank x (in + out) a token, left out)."""
+    weights, attention = forward_flops(config, n_params, prompt_tokens, response_tokens, rows, groups)
+    return (2 if frozen else 3) * weights + 3 * attention + (weights + attention if recompute else 0)
 
 
 def sample_full_length(sample, device, min_new_tokens, phase, on_return=None):
@@ -247,8 +342,7 @@ def time_generate(args, cfg, sample, rollout_model, tokenizer, problems, sizes, 
     and writes (--json) the seconds and ms per decoded token of each call."""
     calls = []
     for step in range(n_steps):
-        batch = [plumbing.build_prompt(tokenizer, problems[i]["problem"])
-                 for i in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)]
+        batch = plumbing.prompts_of(tokenizer, problems[step * cfg.prompts_per_step:(step + 1) * cfg.prompts_per_step])
         forced = sample_full_length(sample, device, cfg.max_new_tokens, {})
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -273,7 +367,7 @@ def compile_log_prob_forwards(cfg, sample, model, rollout_model, tokenizer, prob
     were. The responses come from the dynamic KV cache: another batch shape would compile the static cache's decode
     step again."""
     groups = max(1, sizes.micro_batch_size // cfg.group_size)
-    prompts = [plumbing.build_prompt(tokenizer, p["problem"]) for p in problems[:groups]]
+    prompts = plumbing.prompts_of(tokenizer, problems[:groups])
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):  # as if
         roll = sample(rollout_model, tokenizer, prompts, cfg.group_size, 4)  # never called: the steps' samples
     roll = {k: v.to(device) for k, v in roll.items()}
@@ -285,6 +379,113 @@ def compile_log_prob_forwards(cfg, sample, model, rollout_model, tokenizer, prob
         pacs.step_logprobs(cfg, model, roll, rows, sizes)[0].sum().backward()
     model.eval()
     model.zero_grad(set_to_none=True)
+
+
+# --extrapolate's default: pacs.py's 128 prompts x 8 and paper v2's 1,024 x 8, both at v2's 1,024 + 8,192 tokens
+EXTRAPOLATE = "128x8@1024+8192,1024x8@1024+8192"
+
+
+def parse_targets(spec):
+    """--extrapolate 'PxG@LP+T,...' -> [(prompts, group size, prompt tokens, new tokens)]; a one-line error else."""
+    targets = []
+    for item in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)x(\d+)@(\d+)\+(\d+)\s*", item)
+        if not m or min(int(g) for g in m.groups()) < 1:
+            sys.exit(f"gpu_step.py: error: --extrapolate {spec!r}: expected PROMPTSxGROUP@PROMPT_TOKENS+NEW_TOKENS, "
+                     f"comma-separated, each at least 1 (e.g. {EXTRAPOLATE})")
+        targets.append(tuple(int(g) for g in m.groups()))
+    return targets
+
+
+def read_positions(cfg, speed):
+    """Key positions a decode step's attention reads per row, on average over a response: --static-cache's whole
+    fixed-size cache (its SDPA reads every position, the empty ones masked), else the filled part (flex: its filled
+    blocks), Lp + T / 2."""
+    if speed.cache_tokens and not speed.flex:
+        return cfg.max_prompt_tokens + cfg.max_new_tokens
+    return cfg.max_prompt_tokens + cfg.max_new_tokens / 2
+
+
+def extrapolate(cfg, sizes, measured, config, n_params, weight_bytes, device_type, target):
+    """One step at target (prompts, group size, prompt tokens, new tokens) from the measured step alone, on the same
+    card and levers: {its phases' seconds, the plan's sizes there, the arithmetic line by line}, or {error} where the
+    plan refuses it. generate as memory reads: each decode step reads the rollout weights once and each row's KV
+    cache (read_positions), at the rate the measured generate achieved (its bytes over its seconds, prefill and
+    sampling included), in as many calls as the plan's prompts per generate call at the target make; old log-probs
+    and updates: the measured seconds times the ratio of a forward's and of the updates' model FLOPs (forward_flops,
+    update_flops, on the route each plan takes: the prompt shared per group or full rows); the verifier: its seconds
+    times the ratio of samples x new tokens. A target the plan refuses as measured is planned, and priced, with
+    --gradient-checkpointing (pacs.py's own smallest change for the update), as a user would run it."""
+    P, G, Lp, T = target
+    t_cfg = dataclasses.replace(cfg, prompts_per_step=P, group_size=G, max_prompt_tokens=Lp, max_new_tokens=T,
+                                micro_batch_size=0, gen_batch_prompts=0)
+    name, note = f"{P} prompts x {G}, {Lp} + {T} tokens", []
+    try:
+        plumbing.check_config(t_cfg)
+    except plumbing.ConfigError as e:
+        return {"target": name, "error": str(e)}
+    try:
+        t_sizes, _ = plumbing.plan_memory(t_cfg, config, n_params, device_type, quiet=True, hint=False)
+    except plumbing.ConfigError as e:  # as a user would run it: with --gradient-checkpointing where that fits
+        ckpt_cfg = dataclasses.replace(t_cfg, gradient_checkpointing=True)
+        try:
+            t_sizes, _ = plumbing.plan_memory(ckpt_cfg, config, n_params, device_type, quiet=True, hint=False)
+        except plumbing.ConfigError:
+            return {"target": name, "error": f"the plan on this card refuses it, with --gradient-checkpointing too: "
+                                             f"{e}"}
+        t_cfg = ckpt_cfg
+        note = [f"  (as measured the plan refuses it: {e}; so with --gradient-checkpointing, its recompute priced as "
+                "one more forward of the updates)"]
+    speed, t_speed = levers.on_device(cfg, device_type), levers.on_device(t_cfg, device_type)
+    a_roll = 2 if speed.rollout_dtype == torch.bfloat16 else 4
+    kv = config.num_hidden_layers * 2 * config.num_key_value_heads * plumbing.head_dim(config) * a_roll  # a token
+    GB, KB = 1e9, 1e3
+
+    def reads(c, s, spd):  # (calls, decode steps a call, rows a call, positions a row, bytes a decode step)
+        rows, positions = s.gen_batch_prompts * c.group_size, read_positions(c, spd)
+        return (c.prompts_per_step // s.gen_batch_prompts, c.max_new_tokens, rows, positions,
+                weight_bytes + rows * positions * kv)
+    m_calls, m_steps, m_rows, m_pos, m_bytes = reads(cfg, sizes, speed)
+    rate = m_calls * m_steps * m_bytes / measured["generate_s"]  # bytes a second
+    calls, steps, rows, pos, step_bytes = reads(t_cfg, t_sizes, t_speed)
+    generate = calls * steps * step_bytes / rate
+    frozen = bool(cfg.lora_rank)
+
+    def flops(c, s):  # (a forward of phase 3, the updates): every row whole where the route runs it so
+        rows = c.prompts_per_step * c.group_size
+        groups = rows if s.full_rows or c.gradient_checkpointing else c.prompts_per_step
+        args = (config, n_params, c.max_prompt_tokens, c.max_new_tokens, rows, groups)
+        return sum(forward_flops(*args)), update_flops(*args, frozen=frozen, recompute=c.gradient_checkpointing)
+    (f0, u0), (f1, u1) = flops(cfg, sizes), flops(t_cfg, t_sizes)
+    old, update = measured["old_logprobs_s"] * f1 / f0, measured["update_s"] * u1 / u0
+    samples = lambda c: c.prompts_per_step * c.group_size * c.max_new_tokens  # noqa: E731
+    verify = measured["verify_s"] * samples(t_cfg) / samples(cfg)
+    step = generate + verify + old + update
+    route = lambda c, s: ("every row whole, --gradient-checkpointing" if c.gradient_checkpointing  # noqa: E731
+                          else "full rows" if s.full_rows else "the prompt shared per group")
+    calls_text = lambda n: f"{n} generate call{'' if n == 1 else 's'}"  # noqa: E731
+    lines = [
+        f"extrapolated step at {name} (the plan on this card there: {t_sizes.gen_batch_prompts} prompts a generate "
+        f"call, micro-batch {t_sizes.micro_batch_size} rows, {route(t_cfg, t_sizes)}):",
+        f"  generate's read rate, measured = {calls_text(m_calls)} x {m_steps} decode steps x "
+        f"({weight_bytes / GB:.3f} GB of weights + {m_rows} rows x {m_pos:.0f} positions x {kv / KB:.3f} KB of KV) / "
+        f"{measured['generate_s']:.3g} s = {rate / GB:.1f} GB/s",
+        f"  generate = {calls_text(calls)} x {steps} decode steps x ({weight_bytes / GB:.3f} GB + {rows} rows x "
+        f"{pos:.0f} positions x {kv / KB:.3f} KB) / {rate / GB:.1f} GB/s = {generate:.1f} s",
+        f"  old log-probs = {measured['old_logprobs_s']:.3g} s x {f1 / f0:.4g} (a forward's model FLOPs {f1:.3g} / "
+        f"{f0:.3g}; measured on {route(cfg, sizes)}) = {old:.1f} s",
+        f"  updates = {measured['update_s']:.3g} s x {u1 / u0:.4g} (the updates' model FLOPs {u1:.3g} / {u0:.3g}) "
+        f"= {update:.1f} s",
+        f"  verify = {measured['verify_s']:.3g} s x {samples(t_cfg) / samples(cfg):.4g} (samples x new tokens: "
+        f"{samples(t_cfg)} / {samples(cfg)}) = {verify:.1f} s",
+        f"  step = {generate:.1f} + {verify:.1f} + {old:.1f} + {update:.1f} = {step:.1f} s ({step / 3600:.2f} h)"]
+    lines[1:1] = note
+    return {"target": name, "prompts": P, "group_size": G, "prompt_tokens": Lp, "response_tokens": T,
+            "gen_batch_prompts": t_sizes.gen_batch_prompts, "micro_batch_size": t_sizes.micro_batch_size,
+            "full_rows": bool(t_sizes.full_rows), "gradient_checkpointing": t_cfg.gradient_checkpointing,
+            "generate_calls": calls, "read_bytes_per_s": rate,
+            "generate_s": generate, "verify_s": verify, "old_logprobs_s": old, "update_s": update, "step_s": step,
+            "flops_ratio": f1 / f0, "update_flops_ratio": u1 / u0, "arithmetic": lines}
 
 
 def fail(message, path, result):
@@ -319,13 +520,29 @@ def main():
     ap.add_argument("--profile", default="", metavar="JSON",
                     help="torch.profiler over the last timed step from the end of generate (verify, old log-probs, "
                          "updates): the top kernels by CUDA time and each phase's GPU-busy share, into this JSON")
+    ap.add_argument("--random-init", default="", metavar="DIR",
+                    help="build the model on the device from DIR's config.json with random weights (timed; nothing "
+                         "written to disk), with DIR's tokenizer (tokenizer.json or tokenizer.json.gz)")
+    ap.add_argument("--random-adapter", action="store_true",
+                    help="with --lora-rank: the adapter's B drawn at random, not peft's zeros (psi = 0 at --lr 0 can "
+                         "then fail)")
+    ap.add_argument("--extrapolate", nargs="?", const=EXTRAPOLATE, default="", metavar="PxG@LP+T,...",
+                    help="from the measured step, the time of a step at these shapes, its arithmetic printed "
+                         f"(no value: {EXTRAPOLATE})")
     ap.add_argument("--_build", default="", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
     if args._build:  # child process: build the stand-in (its memory never counts in the parent's peak)
         return build_standin(args.model_dir, args._build, args.tiny)
-    if not args.standin and not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+    if args.random_init and args.standin:
+        sys.exit("gpu_step.py: error: --random-init builds its own model: pass it or --standin, not both")
+    if args.random_init and not os.path.isfile(os.path.join(args.random_init, "config.json")):
+        sys.exit(f"gpu_step.py: error: --random-init {args.random_init}: no config.json there")
+    if not args.standin and not args.random_init and not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         sys.exit(f"gpu_step.py: error: no config.json in {args.model_dir} (see ../shared/models/README.md)")
+    targets = parse_targets(args.extrapolate) if args.extrapolate else []
     cfg = pacs.parse_args(["--eval-every", "0", "--save-every", "0", "--save-minutes", "0", *rest])
+    if args.random_adapter and not cfg.lora_rank:
+        sys.exit("gpu_step.py: error: --random-adapter draws a LoRA adapter's B: add --lora-rank")
     try:
         plumbing.check_config(cfg)
         device = plumbing.pick_device(cfg)  # as pacs.py picks it: refusals, the allocator's expandable segments
@@ -343,32 +560,38 @@ def main():
     if device.type == "cuda" and cfg.memory_gib > 0 and not args.no_cap:
         cap = cap_allocator(cfg.memory_gib)
     torch.manual_seed(cfg.seed)
+    built, load_model = {}, plumbing.load_model
     with tempfile.TemporaryDirectory() as tmp:
-        if not args.standin:
+        if args.random_init:  # the config and tokenizer only: setup_model's load builds the model on the device
+            weightless_standin(args.random_init, tmp, args.tiny)
+            plumbing.load_model = random_init_loader(built, cfg.seed)
+        elif not args.standin:
             subprocess.run([sys.executable, __file__, "--_build", tmp, "--model-dir", args.model_dir,
                             *(["--tiny"] if args.tiny else [])], check=True)
         try:
             model, rollout_model, tokenizer, sizes = plumbing.setup_model(cfg, args.standin or tmp, device)
         except plumbing.ConfigError as e:
             sys.exit(f"gpu_step.py: error: {e}")
+        finally:
+            plumbing.load_model = load_model
+    if args.random_adapter:
+        built["random_adapter_entries"] = randomize_adapter(model, cfg.seed + 1)
     planned = dataclasses.asdict(sizes)
-    n_params = sum(p.numel() for p in model.parameters())
-    # CPU: what the process holds besides the weights once loaded (interpreter, torch, transformers, the
-    # tokenizer); the plan predicts the tensors on top of it. safetensors maps the weights lazily: read every
-    # page first, so that they are resident (and counted once) before the baseline is taken
+    n_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)  # the base (an adapter: plan)
+    # safetensors maps the weights lazily: read every page first, so that they are resident (and counted once)
+    # before the CPU's baseline is taken (below)
     with torch.no_grad():
         sum(float(p.sum()) for p in model.parameters())
     copy_bytes = 0 if rollout_model is model else sum(p.nbytes for p in rollout_model.parameters())  # the plan's too
-    rss_base = rss_bytes() - 4 * n_params - copy_bytes if device.type == "cpu" else 0
     plan = plumbing.memory_plan(cfg, model.config, n_params, device.type, sizes.micro_batch_size,
                                 sizes.gen_batch_prompts, sizes.full_rows)
     n_steps = args.warmup_steps + args.timed_steps
     if args.varied_prompts:
         problems = varied_length_prompts(tokenizer, cfg.prompts_per_step * n_steps, args.varied_prompts,
-                                         cfg.max_prompt_tokens, args.data_dir, cfg.seed)
+                                         cfg.max_prompt_tokens, args.data_dir, cfg.seed, cfg.prompt, cfg.thinking)
     else:
         problems = fixed_length_prompts(tokenizer, cfg.prompts_per_step * n_steps, cfg.max_prompt_tokens,
-                                        args.data_dir)
+                                        args.data_dir, cfg.prompt, cfg.thinking)
     optimizer = pacs.make_optimizer(cfg, model)
     ref_model = copy.deepcopy(model).eval() if cfg.ref_reset_every != 1 else None  # as pacs.train: a frozen pi_ref
     sample, phase, profiler = pacs.sample, {}, {}
@@ -390,10 +613,18 @@ def main():
                                                       "defer_stop_check")},
               "ref_reset_every": cfg.ref_reset_every,
               "verify_processes": workers,
-              "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+              "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+              "model_type": model.config.model_type, "layers": model.config.num_hidden_layers,
+              "vocab": len(tokenizer), "prompt": cfg.prompt, "thinking": cfg.thinking,
+              "first_prompt": problems[0]["prompt"][:200], "lora_rank": cfg.lora_rank,
+              "trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+              "random_init": args.random_init or None, **built}
+    if cfg.lora_rank:  # which peft ran: the check carries its wheel
+        import peft
+        result.update(peft=peft.__version__, peft_file=peft.__file__)
     if levers.on_device(cfg, device.type).cache_tokens:  # compile the decode step first, at the run's shapes
         t0 = time.time()
-        batch = [plumbing.build_prompt(tokenizer, p["problem"]) for p in problems[:sizes.gen_batch_prompts or None]]
+        batch = plumbing.prompts_of(tokenizer, problems[:sizes.gen_batch_prompts or None])
         sample(rollout_model, tokenizer, batch, cfg.group_size, 4, batch_prompts=sizes.gen_batch_prompts,
                speed=levers.on_device(cfg, device.type))
         result["compile_s"] = time.time() - t0
@@ -406,6 +637,11 @@ def main():
               f"{result['compile_update_s']:.1f} s")
     if args.generate_only:
         return time_generate(args, cfg, sample, rollout_model, tokenizer, problems, sizes, device, result, n_steps)
+    # CPU: what the process holds besides the weights before its first step (interpreter, torch, transformers, the
+    # tokenizer and the prompts, what the warm-up calls above left in the heap); the plan predicts the tensors on top
+    held = sum(p.nbytes for p in model.parameters()) + copy_bytes + (  # the plan's weights, copies, adapter
+        sum(p.nbytes for p in ref_model.parameters()) if ref_model is not None else 0)
+    rss_base = rss_bytes() - held if device.type == "cpu" else 0
     rows = []
     for step in range(n_steps):
         reset_peak(device)
@@ -442,7 +678,8 @@ def main():
     mean = lambda k: sum(r[k] for r in timed) / len(timed)
     B, T = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
     peak_tflops = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
-    flops = update_flops(model.config, n_params, cfg.max_prompt_tokens, T, B, cfg.prompts_per_step)
+    flops = update_flops(model.config, n_params, cfg.max_prompt_tokens, T, B, cfg.prompts_per_step,
+                         frozen=bool(cfg.lora_rank))
     gib = lambda b: b / plumbing.GiB
     measured = {ph: max(r[f"{ph}_peak_bytes"] for r in rows) for ph in ("generate", "update")}
     predicted = {ph: plan[f"peak: {ph}"] + rss_base for ph in ("generate", "update")}  # CPU: RSS holds the libraries
@@ -492,6 +729,12 @@ def main():
               + (f"; allocator capped at {result['allocator_cap_gib']:.2f} GiB" if cap else ""))
     print(f"psi_std: {psi} (max {result['psi_std_max']})")
     print(f"projected {args.total_steps} steps: {result['projected_run_h']:.1f} h (no in-loop eval, no checkpoints)")
+    if targets:  # from this step alone: the rollout's bytes, the plan at each target on this card
+        weight_bytes = sum(p.nbytes for p in rollout_model.parameters())
+        result["extrapolated"] = [extrapolate(cfg, sizes, result, model.config, n_params, weight_bytes, device.type,
+                                              t) for t in targets]
+        for e in result["extrapolated"]:
+            print("\n".join(e.get("arithmetic", [f"extrapolated step at {e['target']}: {e.get('error')}"])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**result, "steps": rows}, f, indent=2)

@@ -837,17 +837,17 @@ def test_the_checks_summary_reads_each_target_met_short_or_not_measured(tmp_path
                              "not measured: needs step_default or step_opt on a card of known peak",
                              "not measured: needs step_default, step_opt or step_flex",
                              "not measured: needs step_22g and step_22g_ckpt"]
-    assert targets()[4] == "short: psi_levers FAIL, psi_ckpt FAIL"  # psi missing
+    assert targets()[4] == "short: psi_levers FAIL, psi_ckpt FAIL, psi_lora FAIL"  # psi missing
     write(tmp_path / "step_off.json", step_json(step_s=80.0))
     write(tmp_path / "step_default.json", step_json(step_s=40.0, update_mfu=0.2, decode_ms_per_token=12.0))
     write(tmp_path / "step_opt.json", step_json(step_s=32.0, update_mfu=0.3, decode_ms_per_token=10.0))
     write(tmp_path / "step_22g.json", step_json(step_s=100.0))
     write(tmp_path / "step_22g_ckpt.json", step_json(step_s=50.0))
-    for name in ("psi_levers", "psi_ckpt"):
+    for name in ("psi_levers", "psi_ckpt", "psi_lora"):
         write(tmp_path / f"{name}.json", {"psi_std_max": 0.0})
     assert targets() == ["met: step_default x2.00, step_opt x2.50", "met: step_default 20.0%, step_opt 30.0%",
                          "met: step_default 12.0 ms (4 prompts a call), step_opt 10.0 ms (4 prompts a call)",
-                         "met: x2.00", "met: psi_levers pass, psi_ckpt pass"]
+                         "met: x2.00", "met: psi_levers pass, psi_ckpt pass, psi_lora pass"]
     write(tmp_path / "step_opt.json", step_json(step_s=32.1, update_mfu=0.299, decode_ms_per_token=10.1))
     write(tmp_path / "step_22g_ckpt.json", step_json(step_s=50.1))
     write(tmp_path / "psi_ckpt.json", {"psi_std_max": 1e-7})
@@ -882,11 +882,14 @@ def test_the_checks_summary_reads_fail_for_a_missing_or_nonzero_psi_and_a_peak_o
     import gpu_check
     write(tmp_path / "psi_levers.json", {"varied_prompts": 128, "prompt_tokens": 512})  # psi missing
     write(tmp_path / "psi_ckpt.json", {"psi_std_max": 1e-4})  # psi nonzero
+    write(tmp_path / "psi_lora.json", {"psi_std_max": 1e-4})
     write(tmp_path / "step_default.json", step_json(update_over_plan=1.02, update_peak_gib=2.04))  # over the plan
     write(tmp_path / "step_shared.json", step_json())
     rows = dict(gpu_check.summary_rows(str(tmp_path)))
     assert rows["psi_std at --lr 0, every lever on"].startswith("FAIL")
     assert rows["psi_std at --lr 0, every lever on, --gradient-checkpointing"].startswith("FAIL")
+    assert rows["psi_std at --lr 0, LoRA rank 16, its B drawn at random"].startswith("FAIL")
+    assert rows["Qwen3-4B stand-in, v2's prompt, LoRA rank 16"].startswith("FAIL: no result")
     assert rows["default step, the defaults: peaks"].startswith("FAIL: over the plan")
     assert rows["default step, one group per micro-batch, shared prompt: peaks"].startswith("within the plan")
     assert rows["--memory-gib 22.5, the defaults"].startswith("FAIL: no result")  # no JSON at all
