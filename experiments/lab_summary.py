@@ -241,6 +241,9 @@ def lab_scan(runs_root, prompts=32):
 
 # ---- the countdown lab: out of domain (the chain task's test split) and the diversity of the right answers --------
 OOD_DATASET = "chain_test"  # the countdown lab's second domain: scored before RL (lab.json) and after
+# the countdown lab's table: PACS - GRPO and PACS - PPO in each, held at once (its family, FAMILIES)
+COUNTDOWN_METRICS = ("pass@1", "pass@64", "ood_pass@1", "ood_pass@64", "s_div_char-ngrams", "s_div_smollm2",
+                     "distinct_forms")
 COUNTDOWN_PAIRS = (("pacs", "grpo"), ("pacs", "ppo"))  # v2's Table 3 compares PACS with GRPO; Fig. 6 with both
 
 
@@ -401,7 +404,7 @@ LEVEL = 0.05
 BASES_ROWS = 9  # the claims over five bases: 3 comparisons x 3 metrics per lab (experiments/bases.py)
 FAMILIES = {  # family: (its comparisons held at once, where the page states them); None: read at 95% only
     "sweep lab": 12, "sweep lab2": 16, "bases": BASES_ROWS, "v2": 8, "reference": 4, "parts": 3, "base": 1,
-    "95%": None}
+    "95%": None, "sweep countdown": 2 * len(COUNTDOWN_METRICS)}
 
 
 def threshold_digits(threshold):
@@ -451,7 +454,7 @@ def find_pair(summary, a, b, metric):
     lists = [summary["paired"], (summary.get("control") or {}).get("paired", []),
              *[x["paired"] for x in summary.get("v2_ablations") or []],
              *[x["paired"] for x in (summary.get("reference") or {}).get("arms", [])],
-             (summary.get("decomposition") or {}).get("parts", [])]
+             (summary.get("decomposition") or {}).get("parts", []), (summary.get("countdown") or {}).get("paired", [])]
     for entries in lists:
         for e in entries:
             if (e["a"], e["b"], e["metric"], e["prompts_per_mini_batch"]) == (a, b, metric, ppm):
@@ -499,6 +502,18 @@ def base_item(summary, method="pacs"):
     return f"{word}: base {base:.3f} → {method.upper()} {mean:.3f} [{lo:.3f}, {hi:.3f}] ({_p(p)})"
 
 
+def ood_base_item(summary, method="pacs"):
+    """`method`'s pass@1 out of domain (the countdown lab's chain test split) against the base model's, as
+    base_item."""
+    from scipy import stats as sps
+    values = [r["ood_pass@1"] for r in summary["countdown"]["runs"] if r["method"] == method]
+    base = summary["countdown"]["base_ood_pass@k"]["1"]
+    mean, lo, hi = t_interval(values)
+    p = float(sps.ttest_1samp(values, base).pvalue)
+    word = verdict([[lo - base, hi - base]], p, LEVEL)
+    return f"{word}: base {base:.3f} → {method.upper()} {mean:.3f} [{lo:.3f}, {hi:.3f}] out of domain ({_p(p)})"
+
+
 def row_item(summary, key):
     """stability.md's reading of the stability or efficiency row (stability.row_reading) and its tests at 95%."""
     claim = summary[key]["claim"]
@@ -512,7 +527,8 @@ def row_item(summary, key):
         f": {'; '.join(tests)}" if tests else "")
 
 
-A, B = "lab", "lab2"
+A, B, C = "lab", "lab2", "countdown"
+CD = "sweep countdown"
 CLAIM_ROWS = [  # (the paper's claim, its source, {lab: [item, ...] or a sentence with no number})
     ("PACS above PPO and GRPO in accuracy (pass@1 here)", "v1 Tables 1–2, every k (7B: above both in every cell; "
      "3B: below one of them in 6 of 24); v2 Sec. 4.2, Tables 2, 6", {
@@ -584,6 +600,32 @@ CLAIM_ROWS = [  # (the paper's claim, its source, {lab: [item, ...] or a sentenc
 ]
 
 
+# the countdown lab's column (its README), by the opening of each claim; a claim not named here was not run there
+COUNTDOWN_CELLS = {
+    "PACS above PPO and GRPO in accuracy": [("pair", "pacs", "ppo", "pass@1", CD, "− PPO"),
+                                            ("pair", "pacs", "grpo", "pass@1", CD, "− GRPO")],
+    "pass@1 above the base model": [("base",)],
+    "pass@256 above PPO and GRPO": "not testable: the base model's pass@64 leaves no room",
+    "PPO and GRPO collapse in entropy": [("pair", "pacs", "ppo", "final_entropy", "95%", "final entropy − PPO"),
+                                         ("pair", "pacs", "grpo", "final_entropy", "95%", "− GRPO")],
+    "more diverse correct answers than GRPO": [
+        ("pair", "pacs", "grpo", "s_div_char-ngrams", CD, "S_div by character 3-grams − GRPO"),
+        ("pair", "pacs", "grpo", "s_div_smollm2", CD, "by SmolLM2"),
+        ("pair", "pacs", "grpo", "distinct_forms", CD, "distinct right forms − GRPO"),
+        ("pair", "pacs", "ppo", "s_div_char-ngrams", CD, "S_div by 3-grams − PPO"),
+        ("pair", "pacs", "ppo", "s_div_smollm2", CD, "by SmolLM2")],
+    "more stable training": [("row", "stability")],
+    "more efficient training": [("row", "efficiency")],
+    "out of domain": [("ood base",), ("pair", "pacs", "grpo", "ood_pass@1", CD, "chain pass@1 − GRPO"),
+                      ("pair", "pacs", "ppo", "ood_pass@1", CD, "− PPO"),
+                      ("pair", "pacs", "grpo", "ood_pass@64", CD, "chain pass@64 − GRPO"),
+                      ("pair", "pacs", "ppo", "ood_pass@64", CD, "− PPO")],
+    "PACS-4B above Qwen3-14B": "not testable",
+}
+for _claim, _, _cells in CLAIM_ROWS:
+    _cells[C] = next((v for k, v in COUNTDOWN_CELLS.items() if _claim.startswith(k)), "not run")
+
+
 def item_text(summary, lab, item):
     kind = item[0]
     if kind == "pair":
@@ -595,6 +637,8 @@ def item_text(summary, lab, item):
         return bases_item(summary, *item[1:])
     if kind == "base":
         return base_item(summary)
+    if kind == "ood base":
+        return ood_base_item(summary)
     return row_item(summary, item[1])
 
 
@@ -602,16 +646,28 @@ def cell(summaries, lab, spec):
     return spec if isinstance(spec, str) else "; ".join(item_text(summaries[lab], lab, i) for i in spec)
 
 
+LAB_NAMES = {A: "first lab", B: "second lab", C: "countdown lab"}
+
+
 def claims_table(summaries):
-    """experiments/README.md's claims table: one row per claim of the paper, a cell per lab."""
-    lines = ["| the paper's claim | source | first lab | second lab |", "|---|---|---|---|"]
+    """experiments/README.md's claims table: one row per claim of the paper, a cell per lab (the countdown lab's
+    where its summary.json exists)."""
+    labs = [lab for lab in (A, B, C) if lab in summaries]
+    lines = ["| the paper's claim | source | " + " | ".join(LAB_NAMES[lab] for lab in labs) + " |",
+             "|---|---|" + "---|" * len(labs)]
     for claim, source, cells in CLAIM_ROWS:
-        lines.append(f"| {claim} | {source} | {cell(summaries, A, cells[A])} | {cell(summaries, B, cells[B])} |")
+        lines.append(f"| {claim} | {source} | " + " | ".join(cell(summaries, lab, cells[lab]) for lab in labs) + " |")
     return "\n".join(lines)
 
 
 def results_list(summaries, lab):
     """A lab page's results list: its column of the claims table, one item per claim it tests."""
+    if lab == C:
+        lines = [f"Threshold (Bonferroni): the lab's table {family_rule(CD)} (PACS − GRPO and − PPO in "
+                 f"{len(COUNTDOWN_METRICS)} metrics); the entropy at 95%; PACS against the base model at 0.05.", ""]
+        items = [f"- **{claim}**: {cell(summaries, lab, cells[lab])}." for claim, _, cells in CLAIM_ROWS
+                 if not isinstance(cells[lab], str)]
+        return "\n".join(lines + items)
     rules = ", ".join(f"{name} {family_rule(f)}" for name, f in (
         ("the sweep's table", f"sweep {lab}"), ("over bases", "bases"), *((("v2's ablations and β", "v2"),
                                                                            ("π_ref's arms", "reference"),
@@ -633,12 +689,13 @@ END = "<!-- end of the {} -->"
 def pages(labs_dir=LABS_DIR):
     """{path: {block name: text}}: what `--pages` writes between each page's markers, from the labs' summary.json."""
     summaries = {}
-    for lab in (A, B):
-        with open(os.path.join(labs_dir, lab, "summary.json")) as f:
-            summaries[lab] = json.load(f)
+    for lab in (A, B, C):
+        if lab != C or os.path.isfile(os.path.join(labs_dir, lab, "summary.json")):
+            with open(os.path.join(labs_dir, lab, "summary.json")) as f:
+                summaries[lab] = json.load(f)
     return {README: {"claims table": claims_table(summaries)},
             **{os.path.join(labs_dir, lab, "README.md"): {"results list": results_list(summaries, lab)}
-               for lab in (A, B)}}
+               for lab in summaries}}
 
 
 def between(text, name):
