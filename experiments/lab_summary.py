@@ -196,6 +196,11 @@ def rounded(x):
     return None if x is None or math.isnan(x) else round(float(x), 5)
 
 
+def significant(x):
+    """A summary's number of any size (S_div by an LM's mean-pooled states is ~1e-4): 4 significant digits."""
+    return None if x is None or math.isnan(x) else float(f"{float(x):.4g}")
+
+
 def p_value(p):
     """A summary's p-value: 3 significant digits (a small p stays > 0); None for None or nan."""
     return None if p is None or math.isnan(p) else float(f"{p:.3g}")
@@ -273,13 +278,13 @@ def shared_mean_differences(a_runs, b_runs, values):
     return diffs, shared
 
 
-def diff_entry(diffs, a, b, metric, prompts_per_mini_batch):
-    """paired_entry's fields for differences already paired by seed ({seed: a - b})."""
+def diff_entry(diffs, a, b, metric, prompts_per_mini_batch, digits=rounded):
+    """paired_entry's fields for differences already paired by seed ({seed: a - b}), each number by `digits`."""
     d = np.array([diffs[s] for s in sorted(diffs)], dtype=float)
     t, boot, p = t_interval(d), bootstrap_interval(d), paired_p(d)
     return {"prompts_per_mini_batch": prompts_per_mini_batch, "a": a, "b": b, "metric": metric, "seeds": len(d),
-            "mean": rounded(t[0]), "ci95_t": [rounded(t[1]), rounded(t[2])],
-            "ci95_bootstrap": [rounded(boot[1]), rounded(boot[2])], "detectable_80": rounded(smallest_detectable(d)),
+            "mean": digits(t[0]), "ci95_t": [digits(t[1]), digits(t[2])],
+            "ci95_bootstrap": [digits(boot[1]), digits(boot[2])], "detectable_80": digits(smallest_detectable(d)),
             "p_t": p_value(p)}
 
 
@@ -298,7 +303,7 @@ def countdown_summary(runs_root, summary, lab_dir="", prompts=32):
         ood = r["eval"][OOD_DATASET]
         runs.append({"method": r["method"], "seed": r["seed"], "ood_pass@1": ood["1"], "ood_pass@64": ood.get("64"),
                      "problems_with_k_right": len(forms), "distinct_forms": rounded(np.mean(list(forms.values())))
-                     if forms else None, **{f"s_div_{e}": rounded(np.mean(list(v.values()))) if v else None
+                     if forms else None, **{f"s_div_{e}": significant(np.mean(list(v.values()))) if v else None
                                             for e, v in div.items()}})
         by.setdefault(r["method"], {})[r["seed"]] = (div, forms)
     embedders = sorted(next(iter(results))["diversity"]["by_embedder"])
@@ -309,7 +314,9 @@ def countdown_summary(runs_root, summary, lab_dir="", prompts=32):
                 ("distinct_forms", lambda x: x[1])]:
             diffs, n = shared_mean_differences(by.get(a, {}), by.get(b, {}), values)
             if diffs:
-                paired.append({**diff_entry(diffs, a, b, metric, ppm), "shared_problems": [n[s] for s in sorted(n)]})
+                digits = significant if metric.startswith("s_div_") else rounded
+                paired.append({**diff_entry(diffs, a, b, metric, ppm, digits),
+                               "shared_problems": [n[s] for s in sorted(n)]})
     base = None
     if lab_dir and os.path.isfile(os.path.join(lab_dir, "lab.json")):
         with open(os.path.join(lab_dir, "lab.json")) as f:
@@ -465,11 +472,16 @@ def find_pair(summary, a, b, metric):
 def pair_item(summary, a, b, metric, family, label, rare=False):
     e = (next(x for x in summary["rare"]["paired"] if (x["a"], x["b"], x["metric"]) == (a, b, metric)) if rare
          else find_pair(summary, a, b, metric))
+    if e["seeds"] < 2:  # a comparison whose runs have not landed: no interval yet
+        return f"not yet run: {label} ({e['seeds']} paired seed{'s' * (e['seeds'] != 1)})"
     n = FAMILIES[family]
     word = verdict([e["ci95_t"]], e["p_t"], None if n is None else LEVEL / n, e["detectable_80"])
     ci = e["ci95_t"]
-    text = f"{word}: {label} {_num(e['mean'])} [{_num(ci[0])}, {_num(ci[1])}] ({_p(e['p_t'])}"
-    return text + (f", detectable {e['detectable_80']:.3f})" if word in ("level", "not resolved") else ")")
+    small = metric.startswith("s_div_") and max(abs(e["mean"]), abs(ci[0]), abs(ci[1])) < 0.005
+    fmt = "+.2e" if small else "+.3f"  # S_div by an LM's mean-pooled states: ~1e-4
+    text = f"{word}: {label} {_num(e['mean'], fmt)} [{_num(ci[0], fmt)}, {_num(ci[1], fmt)}] ({_p(e['p_t'])}"
+    detectable = _num(e["detectable_80"], fmt).lstrip("+")
+    return text + (f", detectable {detectable})" if word in ("level", "not resolved") else ")")
 
 
 def bases_p(claim):
