@@ -675,8 +675,14 @@ def claims_table(summaries):
 def results_list(summaries, lab):
     """A lab page's results list: its column of the claims table, one item per claim it tests."""
     if lab == C:
+        seeds = summaries[lab]["settings"]["seeds"]
+        landed = ", ".join(f"{m.upper()} {len(seeds.get(m, []))}" for m in ("pacs", "grpo", "ppo"))
         lines = [f"Threshold (Bonferroni): the lab's table {family_rule(CD)} (PACS − GRPO and − PPO in "
-                 f"{len(COUNTDOWN_METRICS)} metrics); the entropy at 95%; PACS against the base model at 0.05.", ""]
+                 f"{len(COUNTDOWN_METRICS)} metrics); the entropy at 95%; PACS against the base model at 0.05.",
+                 "", f"Seeds landed: {landed} of the sweep's 16"
+                 + ("." if all(len(seeds.get(m, [])) >= 16 for m in ("pacs", "grpo", "ppo")) else
+                    "; until all have, every word below is provisional (with few seeds the detectable "
+                    "difference is wide, and \"level\" says little)."), ""]
         items = [f"- **{claim}**: {cell(summaries, lab, cells[lab])}." for claim, _, cells in CLAIM_ROWS
                  if not isinstance(cells[lab], str)]
         return "\n".join(lines + items)
