@@ -488,7 +488,12 @@ def check_summary_schema(summary):
     sweep's (the archive's) predates beta_axis and calibration."""
     assert {"settings", "runs", "axis", "paired", "wall_s"} <= set(summary) <= {
         "settings", "runs", "axis", "paired", "wall_s", "beta_axis", "calibration", "base", "rare", "control",
-        "decomposition", "critic_window", "bases", "stability", "efficiency", "reference", "v2_ablations"}
+        "decomposition", "critic_window", "bases", "stability", "efficiency", "reference", "v2_ablations", "countdown"}
+    if "countdown" in summary:  # the countdown lab's: out of domain and the diversity of its right answers
+        cd = summary["countdown"]
+        assert set(cd) == {"ood_dataset", "diversity_dataset", "k", "embedders", "base_ood_pass@k", "runs", "paired"}
+        assert all(0 <= r["ood_pass@1"] <= 1 and {f"s_div_{e}" for e in cd["embedders"]} <= set(r) for r in cd["runs"])
+        assert {p["metric"] for p in cd["paired"]} <= set(lab_summary.COUNTDOWN_METRICS)
     settings = summary["settings"]
     for key in ("prompts", "group_size", "num_mini_batches", "steps", "max_new_tokens", "eval_n"):
         assert isinstance(settings[key], int) and settings[key] >= 1, key
