@@ -503,27 +503,18 @@ def bases_item(summary, b, metric, label):
             f"over the base means ({_p(p_means)})")
 
 
-def base_item(summary, method="pacs"):
-    """`method`'s test pass@1 against the base model's (one number, no spread): a one-sample t-test over seeds."""
+def base_item(summary, method="pacs", ood=False):
+    """`method`'s test pass@1 against the base model's (one number, no spread): a one-sample t-test over seeds; with
+    `ood`, its pass@1 out of domain (the countdown lab's chain test split) against the base model's there."""
     from scipy import stats as sps
-    values = [r["pass@1"] for r in summary["runs"] if r["method"] == method]
-    base = summary["base"]["pass@k"]["1"]
+    runs, base = ((summary["countdown"]["runs"], summary["countdown"]["base_ood_pass@k"]["1"]) if ood else
+                  (summary["runs"], summary["base"]["pass@k"]["1"]))
+    values = [r["ood_pass@1" if ood else "pass@1"] for r in runs if r["method"] == method]
     mean, lo, hi = t_interval(values)
     p = float(sps.ttest_1samp(values, base).pvalue)
     word = verdict([[lo - base, hi - base]], p, LEVEL)
-    return f"{word}: base {base:.3f} → {method.upper()} {mean:.3f} [{lo:.3f}, {hi:.3f}] ({_p(p)})"
-
-
-def ood_base_item(summary, method="pacs"):
-    """`method`'s pass@1 out of domain (the countdown lab's chain test split) against the base model's, as
-    base_item."""
-    from scipy import stats as sps
-    values = [r["ood_pass@1"] for r in summary["countdown"]["runs"] if r["method"] == method]
-    base = summary["countdown"]["base_ood_pass@k"]["1"]
-    mean, lo, hi = t_interval(values)
-    p = float(sps.ttest_1samp(values, base).pvalue)
-    word = verdict([[lo - base, hi - base]], p, LEVEL)
-    return f"{word}: base {base:.3f} → {method.upper()} {mean:.3f} [{lo:.3f}, {hi:.3f}] out of domain ({_p(p)})"
+    where = " out of domain" if ood else ""
+    return f"{word}: base {base:.3f} → {method.upper()} {mean:.3f} [{lo:.3f}, {hi:.3f}]{where} ({_p(p)})"
 
 
 def row_item(summary, key):
@@ -650,7 +641,7 @@ def item_text(summary, lab, item):
     if kind == "base":
         return base_item(summary)
     if kind == "ood base":
-        return ood_base_item(summary)
+        return base_item(summary, ood=True)
     return row_item(summary, item[1])
 
 
@@ -683,15 +674,14 @@ def results_list(summaries, lab):
                  + ("." if all(len(seeds.get(m, [])) >= 16 for m in ("pacs", "grpo", "ppo")) else
                     "; until all have, every word below is provisional (with few seeds the detectable "
                     "difference is wide, and \"level\" says little)."), ""]
-        items = [f"- **{claim}**: {cell(summaries, lab, cells[lab])}." for claim, _, cells in CLAIM_ROWS
-                 if not isinstance(cells[lab], str)]
-        return "\n".join(lines + items)
-    rules = ", ".join(f"{name} {family_rule(f)}" for name, f in (
-        ("the sweep's table", f"sweep {lab}"), ("over bases", "bases"), *((("v2's ablations and β", "v2"),
-                                                                           ("π_ref's arms", "reference"),
-                                                                           ("the critic's parts", "parts"))
-                                                                          if lab == A else ())))
-    lines = [f"Thresholds (Bonferroni): {rules}; the entropy, the controls and the rarely solved problems at 95%.", ""]
+    else:
+        rules = ", ".join(f"{name} {family_rule(f)}" for name, f in (
+            ("the sweep's table", f"sweep {lab}"), ("over bases", "bases"), *((("v2's ablations and β", "v2"),
+                                                                               ("π_ref's arms", "reference"),
+                                                                               ("the critic's parts", "parts"))
+                                                                              if lab == A else ())))
+        lines = [f"Thresholds (Bonferroni): {rules}; the entropy, the controls and the rarely solved problems at "
+                 "95%.", ""]
     for claim, _, cells in CLAIM_ROWS:
         if not isinstance(cells[lab], str):
             lines.append(f"- **{claim}**: {cell(summaries, lab, cells[lab])}.")
